@@ -1,0 +1,3 @@
+"""normlab: normalization ablations for GPT-style transformers."""
+
+__version__ = "0.1.0"

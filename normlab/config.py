@@ -1,0 +1,243 @@
+"""The run schema: typed, validated configuration for one normlab run.
+
+Hydra composes plain YAML (conf/); `RunConfig.from_dict` turns the resolved
+mapping into these dataclasses and checks every value before anything heavy
+starts. A bad value raises `ConfigError` with one line naming the key and what
+is allowed. Nothing here imports torch, so validation is instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, get_args, get_origin, get_type_hints
+
+NORMS = ("none", "layer", "rms", "batch")
+PLACEMENTS = ("pre", "post")
+INITS = ("normal", "xavier")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+DATA_SOURCES = ("stdlib", "text", "hf")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be trained; the message is one line."""
+
+
+@dataclass
+class NormConfig:
+    """One norm type and its knobs; knobs a norm does not have are ignored by it."""
+
+    name: str = "layer"
+    eps: float = 1e-5
+    weight: bool = True  # learnable gain (γ / w)
+    bias: bool = True  # learnable shift (β); LayerNorm and BatchNorm only
+    momentum: float = 0.1  # BatchNorm running-statistics momentum
+    sync: bool = True  # BatchNorm under DDP: statistics over the global batch
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 128
+    n_head: int = 4
+    context: int = 128  # number of learned positions: the longest sequence the model takes
+    mlp_ratio: int = 4
+    bias: bool = True  # biases of the linear layers
+    vocab_size: int = 256
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    files: list = field(default_factory=list)  # data=text: local text files
+    name: str | None = None  # data=hf: hub dataset name
+    config_name: str | None = None  # data=hf: dataset configuration
+    split: str = "train"
+    text_field: str = "text"
+    val_fraction: float = 0.1
+    cache_dir: str | None = None  # token cache; default ~/.cache/normlab
+
+
+@dataclass
+class OptimConfig:
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decay floor, as a fraction of the peak lr
+    grad_clip: float = 1.0  # max total grad norm; 0 turns clipping off
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    project: str = "normlab"
+    entity: str | None = None
+    group: str | None = None
+    tags: list = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs. Short top-level keys are the ones users sweep."""
+
+    name: str = "run"
+    norm: NormConfig = field(default_factory=NormConfig)
+    placement: str = "pre"
+    depth: int = 4
+    lr: float = 1e-3
+    init: str = "normal"
+    seed: int = 0
+    batch_size: int = 32
+    grad_accum: int = 1
+    seq_len: int = 128
+    max_steps: int = 600
+    eval_every: int = 200
+    eval_batches: int = 16
+    log_every: int = 10
+    precision: str = "auto"
+    device: str = "auto"
+    compile: bool = False
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "RunConfig":
+        """Build and validate a RunConfig from a resolved mapping (keys unknown to the schema are kept out)."""
+        cfg = _build(cls, raw, prefix="")
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.grad_accum
+
+    def validate(self) -> None:
+        _choice("norm.name", self.norm.name, NORMS)
+        _choice("placement", self.placement, PLACEMENTS)
+        _choice("init", self.init, INITS)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("device", self.device, DEVICES)
+        _choice("data.source", self.data.source, DATA_SOURCES)
+        _choice("wandb.mode", self.wandb.mode, WANDB_MODES)
+        _positive("lr", self.lr)
+        _positive("norm.eps", self.norm.eps)
+        _at_least("depth", self.depth, 1)
+        _at_least("model.d_model", self.model.d_model, 1)
+        _at_least("model.n_head", self.model.n_head, 1)
+        _at_least("model.mlp_ratio", self.model.mlp_ratio, 1)
+        _at_least("model.context", self.model.context, 1)
+        _at_least("batch_size", self.batch_size, 1)
+        _at_least("grad_accum", self.grad_accum, 1)
+        _at_least("seq_len", self.seq_len, 1)
+        _at_least("max_steps", self.max_steps, 1)
+        _at_least("eval_every", self.eval_every, 0)
+        _at_least("eval_batches", self.eval_batches, 1)
+        _at_least("log_every", self.log_every, 1)
+        _at_least("optim.warmup_steps", self.optim.warmup_steps, 0)
+        if not 0.0 <= self.norm.momentum <= 1.0:
+            raise ConfigError(f"norm.momentum={self.norm.momentum}: must be between 0 and 1")
+        if not 0.0 <= self.optim.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio={self.optim.min_lr_ratio}: must be between 0 and 1")
+        if self.optim.grad_clip < 0:
+            raise ConfigError(f"optim.grad_clip={self.optim.grad_clip}: must be >= 0 (0 turns clipping off)")
+        if self.optim.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay={self.optim.weight_decay}: must be >= 0")
+        if not 0.0 < self.data.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={self.data.val_fraction}: must be between 0 and 1, exclusive")
+        if self.model.d_model % self.model.n_head:
+            raise ConfigError(
+                f"model.d_model={self.model.d_model} is not divisible by model.n_head={self.model.n_head}: "
+                "choose a head count that divides the width"
+            )
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"batch_size={self.batch_size} does not split into grad_accum={self.grad_accum} equal "
+                "micro-batches: choose grad_accum that divides batch_size"
+            )
+        if self.seq_len > self.model.context:
+            raise ConfigError(
+                f"seq_len={self.seq_len} is larger than the model's context (model.context={self.model.context}): "
+                "lower seq_len or raise model.context"
+            )
+        if self.data.source == "text" and not self.data.files:
+            raise ConfigError("data.files is empty: data=text needs data.files=[path, ...]")
+        if self.data.source == "hf" and not self.data.name:
+            raise ConfigError("data.name is not set: data=hf needs data.name=<hub dataset name>")
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed: choose one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{key}={value}: must be a positive number")
+
+
+def _at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"{key}={value}: must be an integer >= {low}")
+
+
+def _build(cls: type, raw: Mapping[str, Any], prefix: str):
+    """Instantiate dataclass `cls` from `raw`, checking each field's type."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in raw:
+            continue
+        key = prefix + f.name
+        kwargs[f.name] = _coerce(key, hints[f.name], raw[f.name])
+    return cls(**kwargs)
+
+
+def _coerce(key: str, hint: Any, value: Any) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, prefix=key + ".")
+    optional = type(None) in get_args(hint)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key} must be set (got null)")
+    base = next((a for a in get_args(hint) if a is not type(None)), hint) if optional else hint
+    base = get_origin(base) or base
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r}: must be true or false")
+    if base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r}: must be an integer")
+    if base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}={value!r}: must be a number")
+    if base is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r}: must be a string")
+    if base is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        raise ConfigError(f"{key}={value!r}: must be a list")
+    return value
+
+
+def format_lr(lr: float) -> str:
+    """A compact learning-rate label for run names: 0.001 -> '1e-3', 0.0025 -> '2.5e-3'."""
+    mantissa, exponent = f"{float(lr):.6e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exponent)}"

@@ -1,0 +1,156 @@
+"""A decoder-only GPT whose norm and norm placement are parameters.
+
+A placement is nothing but which norm slots around a sublayer f are filled:
+
+    pre slot      branch slot        post slot
+    x ──► Norm ──► f ──► Norm_out ──► (+ α·x) ──► Norm ──► x'
+
+`pre` fills the pre slot, `post` the post slot. Module names are stable across
+arms (`blocks.3.norm1`, `blocks.3.attn`, `blocks.3.mlp`, `norm_f`); an unused
+slot holds `nn.Identity`. The model knows nothing of Hydra, wandb or telemetry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import RunConfig
+from .norms import build_norm
+
+
+@dataclass(frozen=True)
+class Slots:
+    """Which norm slots one block's sublayers fill, and the residual scale α."""
+
+    pre: bool
+    post: bool
+    alpha: float = 1.0
+
+
+def block_slots(placement: str, layer: int, depth: int) -> Slots:
+    """The slots that `placement` fills in block `layer` of a `depth`-block model."""
+    if placement == "pre":
+        return Slots(pre=True, post=False)
+    if placement == "post":
+        return Slots(pre=False, post=True)
+    raise ValueError(f"unknown placement {placement!r}")
+
+
+def has_final_norm(placement: str) -> bool:
+    """Pre-norm residual streams are never normalized inside the blocks, so they need one before the head."""
+    return placement != "post"
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int, bias: bool):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+        # Per-head query/key norms (QK-norm); identities unless enabled, so the module tree never changes.
+        self.q_norm: nn.Module = nn.Identity()
+        self.k_norm: nn.Module = nn.Identity()
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of shape (B, n_head, T, head_dim), after any QK-norm."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        return self.q_norm(q), self.k_norm(k), v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.heads(x)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, ratio: int, bias: bool):
+        super().__init__()
+        self.fc = nn.Linear(d_model, ratio * d_model, bias=bias)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(ratio * d_model, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: RunConfig, slots: Slots):
+        super().__init__()
+        d = cfg.model.d_model
+        self.slots = slots
+        self.norm1 = build_norm(cfg.norm, d)
+        self.attn = CausalSelfAttention(d, cfg.model.n_head, cfg.model.bias)
+        self.norm1_out: nn.Module = nn.Identity()
+        self.norm2 = build_norm(cfg.norm, d)
+        self.mlp = MLP(d, cfg.model.mlp_ratio, cfg.model.bias)
+        self.norm2_out: nn.Module = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._sublayer(x, self.norm1, self.attn, self.norm1_out)
+        return self._sublayer(x, self.norm2, self.mlp, self.norm2_out)
+
+    def _sublayer(self, x: torch.Tensor, norm: nn.Module, f: nn.Module, norm_out: nn.Module) -> torch.Tensor:
+        h = norm_out(f(norm(x) if self.slots.pre else x))
+        x = x + h if self.slots.alpha == 1.0 else self.slots.alpha * x + h
+        return norm(x) if self.slots.post else x
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: RunConfig):
+        super().__init__()
+        m = cfg.model
+        self.context = m.context
+        self.tok_emb = nn.Embedding(m.vocab_size, m.d_model)
+        self.pos_emb = nn.Embedding(m.context, m.d_model)
+        self.blocks = nn.ModuleList(
+            Block(cfg, block_slots(cfg.placement, i, cfg.depth)) for i in range(cfg.depth)
+        )
+        self.norm_f = build_norm(cfg.norm, m.d_model) if has_final_norm(cfg.placement) else nn.Identity()
+        self.head = nn.Linear(m.d_model, m.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied output head
+        init_weights(self, cfg.init, cfg.depth)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (B, T, vocab) for token ids `idx` of shape (B, T)."""
+        T = idx.shape[1]
+        if T > self.context:
+            raise ValueError(f"sequence of length {T} exceeds the model's context {self.context}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm_f(x))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def init_weights(model: GPT, scheme: str, depth: int) -> None:
+    """`normal`: GPT-2's N(0, 0.02), residual output projections scaled by 1/sqrt(2·depth).
+    `xavier`: Xavier-uniform linear weights and zero biases (Xiong et al. 2020), embeddings N(0, d^-1/2)."""
+    d = model.tok_emb.embedding_dim
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            if module is model.head:
+                continue  # tied to the token embedding
+            if scheme == "normal":
+                std = 0.02 / math.sqrt(2 * depth) if name.endswith(".proj") else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif name.endswith("attn.qkv"):
+                for w in module.weight.chunk(3, dim=0):  # Xavier per projection, as for separate q, k, v
+                    nn.init.xavier_uniform_(w)
+            else:
+                nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            std = 0.02 if scheme == "normal" else d**-0.5
+            nn.init.normal_(module.weight, mean=0.0, std=std)

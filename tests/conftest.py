@@ -1,0 +1,38 @@
+import os
+
+import pytest
+
+# Tests never reach the network or a wandb account.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+from normlab.config import ModelConfig, NormConfig, RunConfig  # noqa: E402
+
+
+def tiny_config(norm: str = "layer", placement: str = "pre", **overrides) -> RunConfig:
+    """A RunConfig for a 2-block, 32-wide model that trains in well under a second per step."""
+    cfg = RunConfig(
+        norm=NormConfig(name=norm),
+        placement=placement,
+        depth=2,
+        model=ModelConfig(d_model=32, n_head=2, context=32),
+        batch_size=8,
+        seq_len=16,
+        max_steps=4,
+        eval_every=2,
+        eval_batches=2,
+        log_every=1,
+        progress=False,
+    )
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    cfg.validate()
+    return cfg
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Token caches go to a per-session temp dir, never to ~/.cache."""
+    monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))

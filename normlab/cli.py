@@ -1,0 +1,39 @@
+"""The `normlab` command: `normlab train ...` (a Hydra app) and `normlab compare ...`.
+
+Heavy modules (torch, wandb, datasets) are imported only once a subcommand
+needs them, so `normlab --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: normlab <command> [args]
+
+commands:
+  train     train one model, or a sweep with -m (Hydra overrides: norm=rms placement=pre lr=1e-3)
+            `normlab train --help` lists the config groups and their options
+
+examples:
+  normlab train norm=rms placement=pre
+  normlab train norm=batch placement=post depth=12 lr=3e-4
+  normlab train -m norm=none,layer,rms,batch placement=pre,post
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from .app import run_train
+
+        return run_train(rest)
+    print(f"normlab: error: unknown command {command!r}: choose one of train", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

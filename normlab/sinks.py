@@ -1,0 +1,98 @@
+"""Where a run's records go: metrics.jsonl and summary.json in the run dir, and wandb.
+
+The training loop hands every sink the same flat records (slash-grouped keys,
+as wandb's dashboard groups them). A sink never changes what it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Sink(Protocol):
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def finish(self, summary: dict[str, Any], exit_code: int) -> None: ...
+
+
+def _jsonable(value: Any) -> Any:
+    # JSON has no NaN/inf; diverged runs must still write valid lines.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write `obj` as JSON to `path` via a temporary file and a rename, so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """The files of one run: metrics.jsonl (one object per logged step) and summary.json."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.path / "summary.json"
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        write_json_atomic(self.summary_path, {k: _jsonable(v) for k, v in summary.items()})
+
+
+class MetricsFile:
+    """Appends each record as one JSON line to the run dir's metrics.jsonl, flushed at once."""
+
+    def __init__(self, run_dir: RunDir):
+        self.run_dir = run_dir
+        self._fh = open(run_dir.metrics_path, "a", buffering=1)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps({k: _jsonable(v) for k, v in record.items()}, allow_nan=False) + "\n")
+
+    def finish(self, summary: dict[str, Any], exit_code: int) -> None:
+        self._fh.close()
+        self.run_dir.write_summary(summary)
+
+
+class WandbSink:
+    """One wandb run per normlab run; offline by default, so no account is needed."""
+
+    def __init__(self, wandb_cfg, run_dir: RunDir, name: str, config: dict[str, Any], tags: list[str]):
+        import wandb
+
+        self._wandb = wandb
+        self.run = wandb.init(
+            project=wandb_cfg.project,
+            entity=wandb_cfg.entity,
+            group=wandb_cfg.group,
+            name=name,
+            tags=sorted(set(tags) | set(wandb_cfg.tags)),
+            config=config,
+            dir=str(run_dir.path),
+            mode=wandb_cfg.mode,
+            reinit="create_new",
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+
+    def log(self, record: dict[str, Any]) -> None:
+        step = record.get("step")
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def finish(self, summary: dict[str, Any], exit_code: int) -> None:
+        try:
+            self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
+        finally:
+            self.run.finish(exit_code=exit_code)

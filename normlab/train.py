@@ -1,0 +1,253 @@
+"""The training loop: `train(cfg, run_dir)` trains one model and returns its summary.
+
+Knows nothing of Hydra. It reads a validated RunConfig, builds data and model,
+runs AdamW with warmup + cosine decay, evaluates on fixed held-out batches, and
+hands every record to the sinks (metrics.jsonl, wandb).
+
+Step convention: record `step` s holds what was measured at the weights after s
+updates: the training loss and gradient of batch s, and val_loss when evaluated.
+So step 0 is initialization, and the final evaluation is logged at step max_steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import RunConfig, format_lr
+from .data import Corpus, eval_batches, load_corpus, sample_batch
+from .model import GPT
+from .sinks import MetricsFile, RunDir, Sink, WandbSink
+
+
+def run_name(cfg: RunConfig) -> str:
+    """A readable run name, e.g. 'rms-pre-d6-lr1e-3-s0'."""
+    return f"{cfg.norm.name}-{cfg.placement}-d{cfg.depth}-lr{format_lr(cfg.lr)}-s{cfg.seed}"
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup to cfg.lr over optim.warmup_steps, then cosine decay to min_lr_ratio·lr at max_steps."""
+    warmup = cfg.optim.warmup_steps
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    floor = cfg.lr * cfg.optim.min_lr_ratio
+    progress = min(1.0, (step - warmup) / max(1, cfg.max_steps - warmup))
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda was asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """`auto`: bf16 on a CUDA device that supports it, else fp16 on CUDA, fp32 on the CPU."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
+
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[precision])
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay on matrix weights of linear layers only; never on norm gains, biases or embeddings."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue  # the tied head shares the embedding's weight
+            seen.add(id(p))
+            (decay if isinstance(module, nn.Linear) and p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy in nats, computed in float32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches, device: torch.device, precision: str) -> float:
+    """Mean loss over fixed held-out batches, in eval mode (BatchNorm uses running statistics: causal)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for x, y in batches:
+        with autocast(device, precision):
+            total += loss_fn(model(x.to(device)), y.to(device))
+    model.train(was_training)
+    return (total / len(batches)).item()
+
+
+def build_sinks(cfg: RunConfig, run_dir: RunDir, name: str) -> list[Sink]:
+    sinks: list[Sink] = [MetricsFile(run_dir)]
+    if cfg.wandb.mode != "disabled":
+        tags = [f"norm={cfg.norm.name}", f"placement={cfg.placement}"]
+        sinks.append(WandbSink(cfg.wandb, run_dir, name, cfg.to_dict(), tags))
+    return sinks
+
+
+def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None) -> dict[str, Any]:
+    """Train one model as `cfg` says; write metrics.jsonl and summary.json into `run_dir`; return the summary.
+
+    The sinks are always finished, with a non-zero exit code if training raised.
+    """
+    run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    name = run_name(cfg)
+    started = time.time()
+    summary: dict[str, Any] = {
+        "name": name,
+        "norm": cfg.norm.name,
+        "placement": cfg.placement,
+        "depth": cfg.depth,
+        "lr": cfg.lr,
+        "seed": cfg.seed,
+        "status": "running",
+    }
+    corpus = load_corpus(cfg.data)
+    summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256)
+    sinks = build_sinks(cfg, run_dir, name) if sinks is None else sinks
+    exit_code = 1
+    try:
+        summary.update(_fit(cfg, corpus, sinks))
+        summary["status"] = "completed"
+        exit_code = 0
+    except BaseException as err:
+        summary["status"] = "failed"
+        summary["error"] = f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        summary["wall_time_s"] = round(time.time() - started, 3)
+        for sink in sinks:
+            sink.finish(summary, exit_code)
+    return summary
+
+
+def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
+    seed_everything(cfg.seed)
+    model = GPT(cfg).to(device)
+    # Data order depends on the seed alone, never on the model: every arm of a sweep sees the same batches.
+    data_gen = torch.Generator().manual_seed(cfg.seed)
+    val_batches = eval_batches(corpus.val, cfg.eval_batches, cfg.micro_batch_size, cfg.seq_len)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, cfg.optim.weight_decay),
+        lr=cfg.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        fused=device.type == "cuda",
+    )
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+
+    best_val, last_val = math.inf, math.nan
+    tokens, train_time = 0, 0.0
+    window_tokens, window_time = 0, 0.0
+    bar = _progress(cfg)
+    model.train()
+    for step in range(cfg.max_steps + 1):
+        record: dict[str, Any] = {"step": step, "tokens": tokens}
+        if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.max_steps:
+            last_val = evaluate(model, val_batches, device, precision)
+            best_val = min(best_val, last_val)
+            record["val_loss"] = last_val
+        if step == cfg.max_steps:
+            _emit(sinks, record)
+            break
+
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss_sum = torch.zeros((), device=device)
+        for xm, ym in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)):
+            with autocast(device, precision):
+                loss = loss_fn(model(xm), ym)
+            # Equal micro-batches: the mean of their mean losses is the full-batch loss, so is the gradient.
+            scaler.scale(loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach()
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        tokens += tokens_per_step
+
+        logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record
+        if logged:
+            loss_value = (loss_sum / cfg.grad_accum).item()  # the one host sync of a logged step
+        elapsed = time.perf_counter() - t0
+        train_time += elapsed
+        window_time += elapsed
+        window_tokens += tokens_per_step
+        if logged:
+            record.update(
+                loss=loss_value,
+                lr=lr,
+                grad_norm=grad_norm.item(),
+                tokens_per_s=window_tokens / window_time,
+            )
+            window_tokens, window_time = 0, 0.0
+            _emit(sinks, record)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return {
+        "final_val_loss": last_val,
+        "best_val_loss": best_val,
+        "steps": cfg.max_steps,
+        "tokens": tokens,
+        "tokens_per_s": tokens / train_time if train_time > 0 else 0.0,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "device": device.type,
+        "precision": precision,
+    }
+
+
+def _emit(sinks: list[Sink], record: dict[str, Any]) -> None:
+    for sink in sinks:
+        sink.log(record)
+
+
+def _progress(cfg: RunConfig):
+    if not cfg.progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.max_steps, desc=run_name(cfg), unit="step", dynamic_ncols=True)

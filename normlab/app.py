@@ -90,14 +90,18 @@ def precheck(overrides: list[str], config_dirs: list[str]) -> None:
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:
-    """The override lists of the jobs a multirun launches: the cartesian product of the sweeps, as Hydra's basic sweeper makes it."""
+    """The override lists of the jobs a basic-sweeper multirun launches: the cartesian product of the
+    discrete sweeps, as Hydra's BasicSweeper makes it (a later value of a key replaces an earlier one).
+    Keys swept by ranges or intervals, which only a search sweeper expands, are left out."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     choices: dict[str, list[str]] = {}
     for override in OverridesParser.create().parse_overrides(overrides):
         key = override.get_key_element()
-        if override.is_sweep_override():
+        if override.is_discrete_sweep():
             choices[key] = [f"{key}={v}" for v in override.sweep_string_iterator()]
+        elif override.is_sweep_override():
+            choices.pop(key, None)
         else:
             choices[key] = [f"{key}={override.get_value_element_as_str()}"]
     return [list(job) for job in itertools.product(*choices.values())]
@@ -108,6 +112,7 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
 
     So a combination that makes no sense (placement=deepnorm with norm=none, ...)
     stops the command before any job runs, instead of aborting a sweep halfway.
+    A multirun's jobs include the sweeps a preset puts in hydra.sweeper.params.
     Raises ConfigError naming the first bad job. A config Hydra itself cannot
     compose is left for Hydra to report when it runs.
     """
@@ -119,13 +124,17 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
 
     from .config import RunConfig
 
-    jobs = sweep_jobs(overrides) if multirun else [list(overrides)]
     # The search path `normlab train` gets: the packaged conf/, then any --config-dir, as Hydra adds it.
     search_path = create_config_search_path("pkg://" + CONFIG_MODULE)
     for d in config_dirs:
         search_path.prepend("command-line", f"file://{os.path.abspath(d)}", anchor=SearchPathQuery(provider="schema"))
     try:
         hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
+        jobs = [list(overrides)]
+        if multirun:
+            sweep_cfg = hydra.compose_config("config", overrides, run_mode=RunMode.MULTIRUN, from_shell=True)
+            params = [f"{k}={v}" for k, v in (sweep_cfg.hydra.sweeper.get("params") or {}).items()]
+            jobs = sweep_jobs(params + list(overrides))
         for job in jobs:
             cfg = hydra.compose_config("config", job, run_mode=RunMode.RUN, from_shell=True)
             with open_dict(cfg):
@@ -134,7 +143,7 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
             try:
                 RunConfig.from_dict(raw)
             except ConfigError as err:
-                raise ConfigError(f"{err} (in the sweep's job {' '.join(job)})" if len(jobs) > 1 else str(err)) from None
+                raise ConfigError(f"{err} (in the sweep's job {' '.join(job)})" if multirun else str(err)) from None
     except ConfigError:
         raise
     except Exception:

@@ -110,13 +110,15 @@ def test_every_norm_option_is_named_by_its_label():
 
 
 def test_sweep_jobs_is_the_cartesian_product():
-    jobs = sweep_jobs(["norm=none,layer", "placement=pre,deepnorm", "seed=3"])
+    jobs = sweep_jobs(["norm=none,layer", "placement=pre,deepnorm", "seed=3", "lr=interval(1e-4,1e-1)", "seed=3"])
     assert jobs == [
         ["norm=none", "placement=pre", "seed=3"],
         ["norm=none", "placement=deepnorm", "seed=3"],
         ["norm=layer", "placement=pre", "seed=3"],
         ["norm=layer", "placement=deepnorm", "seed=3"],
     ]
+    # a later value of a key replaces an earlier one (a preset's sweep, then the command line)
+    assert sweep_jobs(["norm=none,layer", "placement=pre", "norm=rms"]) == [["norm=rms", "placement=pre"]]
 
 
 @pytest.mark.parametrize(
@@ -139,4 +141,17 @@ def test_cli_rejects_a_bad_combination_before_any_job_runs(argv, message, tmp_pa
     assert err.startswith("normlab: error: ") and message in err and err.count("\n") == 1
     if "-m" in argv:
         assert "(in the sweep's job " in err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_cli_checks_the_sweeps_a_preset_defines(tmp_path, monkeypatch, capsys):
+    """Sweeps in hydra.sweeper.params (experiment presets) are checked like command-line ones."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "grid.yaml").write_text(
+        "# @package _global_\nhydra:\n  sweeper:\n    params:\n      norm: none,layer\n      placement: pre,deepnorm\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "-m", "--config-dir", "conf", "+experiment=grid", "model=tiny", "seq_len=32"]) == 2
+    err = capsys.readouterr().err
+    assert "placement=deepnorm with norm=none" in err and "norm=none placement=deepnorm" in err
     assert not (tmp_path / "outputs").exists()

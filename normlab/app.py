@@ -7,8 +7,6 @@ hands the run dir Hydra made to the training loop.
 
 from __future__ import annotations
 
-import itertools
-import os
 import secrets
 import sys
 from importlib import resources
@@ -93,6 +91,8 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     """The override lists of the jobs a basic-sweeper multirun launches: the cartesian product of the
     discrete sweeps, as Hydra's BasicSweeper makes it (a later value of a key replaces an earlier one).
     Keys swept by ranges or intervals, which only a search sweeper expands, are left out."""
+    from itertools import product
+
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     choices: dict[str, list[str]] = {}
@@ -104,7 +104,7 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
             choices.pop(key, None)
         else:
             choices[key] = [f"{key}={override.get_value_element_as_str()}"]
-    return [list(job) for job in itertools.product(*choices.values())]
+    return [list(job) for job in product(*choices.values())]
 
 
 def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> None:
@@ -127,7 +127,7 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
     # The search path `normlab train` gets: the packaged conf/, then any --config-dir, as Hydra adds it.
     search_path = create_config_search_path("pkg://" + CONFIG_MODULE)
     for d in config_dirs:
-        search_path.prepend("command-line", f"file://{os.path.abspath(d)}", anchor=SearchPathQuery(provider="schema"))
+        search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
     try:
         hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
         jobs = [list(overrides)]

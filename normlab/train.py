@@ -134,8 +134,6 @@ def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None
         "seed": cfg.seed,
         "status": "running",
     }
-    if cfg.placement == "mix":
-        summary["mix_p"] = cfg.mix_p
     corpus = load_corpus(cfg.data)
     summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256)
     sinks = build_sinks(cfg, run_dir, name) if sinks is None else sinks

@@ -108,9 +108,13 @@ def _task(cfg: DictConfig) -> float:
     if hc.mode == RunMode.MULTIRUN and run_cfg.wandb.group is None:
         run_cfg.wandb.group = Path(hc.sweep.dir).name
 
+    from .data import DataError
     from .train import train
 
-    summary = train(run_cfg, hc.runtime.output_dir)
+    try:
+        summary = train(run_cfg, hc.runtime.output_dir)
+    except DataError as err:  # bad input, like a bad config value: one line, not a traceback
+        sys.exit(_fail(err))
     return summary["final_val_loss"]
 
 

@@ -95,6 +95,29 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def accumulate_gradients(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    grad_accum: int,
+    scaler: torch.amp.GradScaler,
+    device: torch.device,
+    precision: str,
+) -> torch.Tensor:
+    """Forward and backward the batch as `grad_accum` equal micro-batches; return the batch's mean loss.
+
+    Each micro-batch loss is scaled by 1/grad_accum, so the accumulated gradient is
+    the full-batch gradient (times the GradScaler's scale under fp16).
+    """
+    total = torch.zeros((), device=device)
+    for xm, ym in zip(x.chunk(grad_accum), y.chunk(grad_accum)):
+        with autocast(device, precision):
+            loss = loss_fn(model(xm), ym)
+        scaler.scale(loss / grad_accum).backward()
+        total += loss.detach()
+    return total / grad_accum
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, device: torch.device, precision: str) -> float:
     """Mean loss over fixed held-out batches, in eval mode (BatchNorm uses running statistics: causal)."""
@@ -131,6 +154,7 @@ def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None
         "depth": cfg.depth,
         "lr": cfg.lr,
         "seed": cfg.seed,
+        "group": cfg.wandb.group,
         "status": "running",
     }
     corpus = load_corpus(cfg.data)
@@ -159,7 +183,12 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
     model = GPT(cfg).to(device)
     # Data order depends on the seed alone, never on the model: every arm of a sweep sees the same batches.
     data_gen = torch.Generator().manual_seed(cfg.seed)
-    val_batches = eval_batches(corpus.val, cfg.eval_batches, cfg.micro_batch_size, cfg.seq_len)
+    # The held-out windows depend on batch_size alone; evaluating them in micro-batches bounds memory.
+    val_batches = [
+        (xm, ym)
+        for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
+        for xm, ym in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))
+    ]
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.optim.weight_decay),
         lr=cfg.lr,
@@ -192,13 +221,7 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
             group["lr"] = lr
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss_sum = torch.zeros((), device=device)
-        for xm, ym in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)):
-            with autocast(device, precision):
-                loss = loss_fn(model(xm), ym)
-            # Equal micro-batches: the mean of their mean losses is the full-batch loss, so is the gradient.
-            scaler.scale(loss / cfg.grad_accum).backward()
-            loss_sum += loss.detach()
+        loss = accumulate_gradients(model, x, y, cfg.grad_accum, scaler, device, precision)
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(optimizer)
@@ -208,7 +231,7 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
 
         logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record
         if logged:
-            loss_value = (loss_sum / cfg.grad_accum).item()  # the one host sync of a logged step
+            loss_value = loss.item()  # the one host sync of a logged step
         elapsed = time.perf_counter() - t0
         train_time += elapsed
         window_time += elapsed

@@ -157,23 +157,45 @@ def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None
         "group": cfg.wandb.group,
         "status": "running",
     }
-    corpus = load_corpus(cfg.data)
-    summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256)
-    sinks = build_sinks(cfg, run_dir, name) if sinks is None else sinks
+    built_sinks: list[Sink] = []
     exit_code = 1
     try:
-        summary.update(_fit(cfg, corpus, sinks))
-        summary["status"] = "completed"
-        exit_code = 0
+        corpus = load_corpus(cfg.data)
+        summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256)
+        built_sinks = build_sinks(cfg, run_dir, name) if sinks is None else sinks
+        summary.update(_fit(cfg, corpus, built_sinks))
+        exit_code = 0  # a diverged run is an outcome, not a failure
     except BaseException as err:
         summary["status"] = "failed"
         summary["error"] = f"{type(err).__name__}: {err}"
         raise
     finally:
         summary["wall_time_s"] = round(time.time() - started, 3)
-        for sink in sinks:
+        if not built_sinks:
+            run_dir.write_summary(summary)
+        for sink in built_sinks:
             sink.finish(summary, exit_code)
     return summary
+
+
+class DivergenceGuard:
+    """Remembers, on the device, the first step whose training loss is non-finite or above
+    `factor` × the initial loss (factor 0: only non-finite counts). The host reads it on logged steps only."""
+
+    def __init__(self, factor: float, device: torch.device):
+        self.factor = factor
+        self.limit: torch.Tensor | None = None
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
+
+    def observe(self, step: int, loss: torch.Tensor) -> None:
+        if self.limit is None:
+            self.limit = loss * self.factor if self.factor > 0 else torch.full_like(loss, math.inf)
+        bad = ~torch.isfinite(loss) | (loss > self.limit)
+        self.first_bad = torch.where(bad & (self.first_bad < 0), step, self.first_bad)
+
+    def diverged_at(self) -> int | None:
+        step = int(self.first_bad.item())
+        return None if step < 0 else step
 
 
 def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
@@ -200,6 +222,8 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
+    guard = DivergenceGuard(cfg.diverge_factor, device)
+    diverged_step: int | None = None
     best_val, last_val = math.inf, math.nan
     tokens, train_time = 0, 0.0
     window_tokens, window_time = 0, 0.0
@@ -209,6 +233,9 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
         record: dict[str, Any] = {"step": step, "tokens": tokens}
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.max_steps:
             last_val = evaluate(model, val_batches, device, precision)
+            if not math.isfinite(last_val):
+                diverged_step = step
+                break
             best_val = min(best_val, last_val)
             record["val_loss"] = last_val
         if step == cfg.max_steps:
@@ -222,6 +249,7 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss = accumulate_gradients(model, x, y, cfg.grad_accum, scaler, device, precision)
+        guard.observe(step, loss)
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(optimizer)
@@ -231,7 +259,10 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
 
         logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record
         if logged:
-            loss_value = loss.item()  # the one host sync of a logged step
+            diverged_step = guard.diverged_at()
+            if diverged_step is not None:
+                break
+            loss_value = loss.item()
         elapsed = time.perf_counter() - t0
         train_time += elapsed
         window_time += elapsed
@@ -251,10 +282,16 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
             bar.update(1)
     if bar is not None:
         bar.close()
+    result: dict[str, Any] = {"status": "completed"}
+    if diverged_step is not None:
+        _emit(sinks, {"step": diverged_step, "tokens": diverged_step * tokens_per_step, "status": "diverged"})
+        result.update(status="diverged", diverged_step=diverged_step)
+        last_val = math.nan
     return {
+        **result,
         "final_val_loss": last_val,
         "best_val_loss": best_val,
-        "steps": cfg.max_steps,
+        "steps": cfg.max_steps if diverged_step is None else diverged_step,
         "tokens": tokens,
         "tokens_per_s": tokens / train_time if train_time > 0 else 0.0,
         "n_params": sum(p.numel() for p in model.parameters()),

@@ -7,6 +7,8 @@ hands the run dir Hydra made to the training loop.
 
 from __future__ import annotations
 
+import logging
+import math
 import secrets
 import sys
 from importlib import resources
@@ -16,8 +18,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .config import NORMS, PLACEMENTS, ConfigError, format_lr
 
+log = logging.getLogger("normlab")
+
 CONFIG_MODULE = "normlab.conf"
-CONFIG_GROUPS = ("model", "norm", "data", "optim")
+CONFIG_GROUPS = ("model", "norm", "data", "optim", "experiment")
 
 
 def register_resolvers() -> None:
@@ -178,22 +182,38 @@ def _fail(err) -> int:
 
 
 def _task(cfg: DictConfig) -> float:
+    """One Hydra job. Returns the final validation loss (NaN when diverged or failed) for sweepers to optimize."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from .config import RunConfig
 
     hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
     try:
         run_cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
     except ConfigError as err:
         sys.exit(_fail(err))
-    if hc.mode == RunMode.MULTIRUN and run_cfg.wandb.group is None:
+    if multirun and run_cfg.wandb.group is None:
         run_cfg.wandb.group = Path(hc.sweep.dir).name
 
-    from .train import train
+    from .data import DataError
+    from .train import run_name, train
 
-    summary = train(run_cfg, hc.runtime.output_dir)
+    try:
+        summary = train(run_cfg, hc.runtime.output_dir)
+    except DataError as err:  # bad input, like a bad config value: one line, not a traceback
+        sys.exit(_fail(err))
+    except Exception as err:
+        if not multirun:
+            raise
+        # train() has recorded status=failed and finished wandb; the traceback goes to the job's log file.
+        log.exception("job %s failed", run_name(run_cfg))
+        print(f"normlab: job {hc.job.num} ({run_name(run_cfg)}) failed: {type(err).__name__}: {err}", file=sys.stderr)
+        if run_cfg.fail_fast:
+            # SystemExit passes through Hydra's per-job exception capture, so no further job starts.
+            sys.exit(1)
+        return math.nan  # one failed arm must not end the sweep
     return summary["final_val_loss"]
 
 

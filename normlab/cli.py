@@ -13,11 +13,14 @@ USAGE = """usage: normlab <command> [args]
 commands:
   train     train one model, or a sweep with -m (Hydra overrides: norm=rms placement=pre lr=1e-3)
             `normlab train --help` lists the config groups and their options
+  compare   compare runs: report.md (runs, LR sensitivity, seeds) and PNG plots, from run files
+            `normlab compare PATH... [--out DIR]`; PATH: a run dir, a sweep dir or outputs/
 
 examples:
   normlab train norm=rms placement=pre
   normlab train norm=batch placement=post depth=12 lr=3e-4
   normlab train -m norm=none,layer,rms,batch placement=pre,post
+  normlab compare outputs/sweeps/2026-11-22_14-05-40_a81b2e
 """
 
 
@@ -31,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         from .app import run_train
 
         return run_train(rest)
-    print(f"normlab: error: unknown command {command!r}: choose one of train", file=sys.stderr)
+    if command == "compare":
+        from .compare import main as run_compare
+
+        return run_compare(rest)
+    print(f"normlab: error: unknown command {command!r}: choose one of train, compare", file=sys.stderr)
     return 2
 
 

@@ -122,6 +122,8 @@ class RunConfig:
     precision: str = "auto"
     device: str = "auto"
     compile: bool = False
+    diverge_factor: float = 3.0  # stop as diverged when the loss exceeds this × the initial loss; 0: only NaN/inf
+    fail_fast: bool = False  # in a multirun, stop the sweep at the first failed job
     progress: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -200,6 +202,8 @@ class RunConfig:
             raise ConfigError(f"norm.momentum={self.norm.momentum}: must be between 0 and 1")
         if not 0.0 <= self.optim.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio={self.optim.min_lr_ratio}: must be between 0 and 1")
+        if self.diverge_factor < 0:
+            raise ConfigError(f"diverge_factor={self.diverge_factor}: must be >= 0 (0: only NaN/inf counts)")
         if self.optim.grad_clip < 0:
             raise ConfigError(f"optim.grad_clip={self.optim.grad_clip}: must be >= 0 (0 turns clipping off)")
         if self.optim.weight_decay < 0:

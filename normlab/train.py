@@ -95,6 +95,29 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def accumulate_gradients(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    grad_accum: int,
+    scaler: torch.amp.GradScaler,
+    device: torch.device,
+    precision: str,
+) -> torch.Tensor:
+    """Forward and backward the batch as `grad_accum` equal micro-batches; return the batch's mean loss.
+
+    Each micro-batch loss is scaled by 1/grad_accum, so the accumulated gradient is
+    the full-batch gradient (times the GradScaler's scale under fp16).
+    """
+    total = torch.zeros((), device=device)
+    for xm, ym in zip(x.chunk(grad_accum), y.chunk(grad_accum)):
+        with autocast(device, precision):
+            loss = loss_fn(model(xm), ym)
+        scaler.scale(loss / grad_accum).backward()
+        total += loss.detach()
+    return total / grad_accum
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, device: torch.device, precision: str) -> float:
     """Mean loss over fixed held-out batches, in eval mode (BatchNorm uses running statistics: causal)."""
@@ -132,25 +155,48 @@ def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None
         "depth": cfg.depth,
         "lr": cfg.lr,
         "seed": cfg.seed,
+        "group": cfg.wandb.group,
         "status": "running",
     }
-    corpus = load_corpus(cfg.data)
-    summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256)
-    sinks = build_sinks(cfg, run_dir, name) if sinks is None else sinks
+    built_sinks: list[Sink] = []
     exit_code = 1
     try:
-        summary.update(_fit(cfg, corpus, sinks))
-        summary["status"] = "completed"
-        exit_code = 0
+        corpus = load_corpus(cfg.data)
+        summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256)
+        built_sinks = build_sinks(cfg, run_dir, name) if sinks is None else sinks
+        summary.update(_fit(cfg, corpus, built_sinks))
+        exit_code = 0  # a diverged run is an outcome, not a failure
     except BaseException as err:
         summary["status"] = "failed"
         summary["error"] = f"{type(err).__name__}: {err}"
         raise
     finally:
         summary["wall_time_s"] = round(time.time() - started, 3)
-        for sink in sinks:
+        if not built_sinks:
+            run_dir.write_summary(summary)
+        for sink in built_sinks:
             sink.finish(summary, exit_code)
     return summary
+
+
+class DivergenceGuard:
+    """Remembers, on the device, the first step whose training loss is non-finite or above
+    `factor` × the initial loss (factor 0: only non-finite counts). The host reads it on logged steps only."""
+
+    def __init__(self, factor: float, device: torch.device):
+        self.factor = factor
+        self.limit: torch.Tensor | None = None
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
+
+    def observe(self, step: int, loss: torch.Tensor) -> None:
+        if self.limit is None:
+            self.limit = loss * self.factor if self.factor > 0 else torch.full_like(loss, math.inf)
+        bad = ~torch.isfinite(loss) | (loss > self.limit)
+        self.first_bad = torch.where(bad & (self.first_bad < 0), step, self.first_bad)
+
+    def diverged_at(self) -> int | None:
+        step = int(self.first_bad.item())
+        return None if step < 0 else step
 
 
 def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
@@ -160,7 +206,12 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
     model = GPT(cfg).to(device)
     # Data order depends on the seed alone, never on the model: every arm of a sweep sees the same batches.
     data_gen = torch.Generator().manual_seed(cfg.seed)
-    val_batches = eval_batches(corpus.val, cfg.eval_batches, cfg.micro_batch_size, cfg.seq_len)
+    # The held-out windows depend on batch_size alone; evaluating them in micro-batches bounds memory.
+    val_batches = [
+        (xm, ym)
+        for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
+        for xm, ym in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))
+    ]
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.optim.weight_decay),
         lr=cfg.lr,
@@ -172,6 +223,8 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
+    guard = DivergenceGuard(cfg.diverge_factor, device)
+    diverged_step: int | None = None
     best_val, last_val = math.inf, math.nan
     tokens, train_time = 0, 0.0
     window_tokens, window_time = 0, 0.0
@@ -181,6 +234,9 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
         record: dict[str, Any] = {"step": step, "tokens": tokens}
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.max_steps:
             last_val = evaluate(model, val_batches, device, precision)
+            if not math.isfinite(last_val):
+                diverged_step = step
+                break
             best_val = min(best_val, last_val)
             record["val_loss"] = last_val
         if step == cfg.max_steps:
@@ -193,13 +249,8 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
             group["lr"] = lr
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss_sum = torch.zeros((), device=device)
-        for xm, ym in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum)):
-            with autocast(device, precision):
-                loss = loss_fn(model(xm), ym)
-            # Equal micro-batches: the mean of their mean losses is the full-batch loss, so is the gradient.
-            scaler.scale(loss / cfg.grad_accum).backward()
-            loss_sum += loss.detach()
+        loss = accumulate_gradients(model, x, y, cfg.grad_accum, scaler, device, precision)
+        guard.observe(step, loss)
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(optimizer)
@@ -209,7 +260,10 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
 
         logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record
         if logged:
-            loss_value = (loss_sum / cfg.grad_accum).item()  # the one host sync of a logged step
+            diverged_step = guard.diverged_at()
+            if diverged_step is not None:
+                break
+            loss_value = loss.item()
         elapsed = time.perf_counter() - t0
         train_time += elapsed
         window_time += elapsed
@@ -229,10 +283,16 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
             bar.update(1)
     if bar is not None:
         bar.close()
+    result: dict[str, Any] = {"status": "completed"}
+    if diverged_step is not None:
+        _emit(sinks, {"step": diverged_step, "tokens": diverged_step * tokens_per_step, "status": "diverged"})
+        result.update(status="diverged", diverged_step=diverged_step)
+        last_val = math.nan
     return {
+        **result,
         "final_val_loss": last_val,
         "best_val_loss": best_val,
-        "steps": cfg.max_steps,
+        "steps": cfg.max_steps if diverged_step is None else diverged_step,
         "tokens": tokens,
         "tokens_per_s": tokens / train_time if train_time > 0 else 0.0,
         "n_params": sum(p.numel() for p in model.parameters()),

@@ -1,0 +1,7 @@
+"""`python -m normlab ...` is the `normlab` command (used by torchrun: `torchrun -m normlab train ...`)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

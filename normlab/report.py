@@ -1,0 +1,172 @@
+"""report.md: the comparison as Markdown tables (runs, LR sensitivity, seeds) with the plots below.
+
+Numbers are printed from the same values the run dirs hold: losses to 4 decimals,
+throughput to whole tokens/s. A value that does not exist (no final loss for a
+diverged run, no divergence step for a completed one) is an em dash, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from .compare import Comparison, mean_std
+from .config import format_lr
+from .plots import Plot
+
+MISSING = "—"
+RUN_COLUMNS = (
+    "run", "norm", "placement", "depth", "lr", "seed",
+    "final val loss", "best val loss", "status", "diverged at step", "tokens/s",
+)  # fmt: skip
+
+
+def loss_cell(value: float) -> str:
+    return f"{value:.4f}" if math.isfinite(value) else MISSING
+
+
+def mean_std_cell(values: list[float]) -> str:
+    mean, std = mean_std(values)
+    if not math.isfinite(mean):
+        return MISSING
+    return f"{mean:.4f} ± {std:.4f}" if math.isfinite(std) else f"{mean:.4f}"
+
+
+def _cell(value: Any) -> str:
+    return MISSING if value is None else str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def runs_section(comparison: Comparison) -> list[str]:
+    rows = []
+    for run in comparison.runs:
+        tokens_per_s = run.tokens_per_s
+        rows.append([
+            f"`{comparison.run_label(run)}`",
+            _cell(run.norm),
+            _cell(run.placement),
+            _cell(run.depth),
+            format_lr(run.lr) if math.isfinite(run.lr) else MISSING,
+            _cell(run.seed),
+            loss_cell(run.final_val_loss),
+            loss_cell(run.best_val_loss),
+            run.status,
+            _cell(run.diverged_step),
+            f"{tokens_per_s:.0f}" if math.isfinite(tokens_per_s) else MISSING,
+        ])  # fmt: skip
+    lines = ["## Runs", "", *_table(RUN_COLUMNS, rows)]
+    failed = [run for run in comparison.runs if run.status == "failed"]
+    if failed:
+        lines += ["", "Failed runs:", ""]
+        lines += [f"- `{comparison.run_label(r)}`: {_cell(r.summary.get('error', 'no error recorded'))}" for r in failed]
+    return lines
+
+
+def sensitivity_section(comparison: Comparison) -> list[str]:
+    rows = []
+    for result in comparison.arms:
+        lrs = [p.lr for p in result.points if p.counted]
+        lost = sum(p.n_lost for p in result.points)
+        spread = f"{result.sensitivity_std:.4f} ({result.n_seeds_for_std} seeds)" if result.n_seeds_for_std else MISSING
+        rows.append([
+            result.arm.label,
+            ", ".join(format_lr(lr) for lr in lrs) or MISSING,
+            loss_cell(result.init_loss),
+            loss_cell(result.best_loss),
+            format_lr(result.best_lr) if math.isfinite(result.best_lr) else MISSING,
+            loss_cell(result.sensitivity),
+            spread,
+            f"{lost} of {sum(len(p.counted) for p in result.points)}",
+        ])  # fmt: skip
+    header = ("arm", "learning rates", "ℓ₀ (init)", "ℓ* (best)", "best lr", "LR sensitivity", "std over seeds", "diverged/failed")
+    lines = [
+        "## LR sensitivity",
+        "",
+        "Wortsman et al. 2023: LR sensitivity = mean over the arm's learning rates η of "
+        "[min(ℓ(η), ℓ₀) − ℓ*]. ℓ(η) is the final validation loss at peak lr η, averaged over seeds; "
+        "a diverged or failed run counts as +∞, so it contributes ℓ₀ − ℓ*. ℓ₀ is the validation loss "
+        "at initialization (step 0), averaged over the arm's runs; ℓ* is the arm's best ℓ(η). Lower "
+        "means less sensitive to the learning rate. The std column is the spread of the sensitivity "
+        "computed per seed, over the seeds that ran every learning rate.",
+        "",
+        *_table(header, rows),
+    ]
+    lr_sets = {tuple(p.lr for p in r.points if p.counted) for r in comparison.arms}
+    if len(lr_sets) > 1:
+        lines += ["", "The arms were not swept over the same learning rates: their sensitivities are not directly comparable."]
+    return lines
+
+
+def seeds_section(comparison: Comparison) -> list[str]:
+    """Mean ± std over seeds at each (arm, lr) that ran more than one seed; empty if none did."""
+    rows = []
+    for result in comparison.arms:
+        for point in result.points:
+            if len(point.runs) < 2:
+                continue
+            finished = [r for r in point.counted if math.isfinite(r.outcome_loss)]
+            rows.append([
+                result.arm.label,
+                format_lr(point.lr),
+                ", ".join(_cell(r.seed) for r in point.runs),
+                mean_std_cell(point.finished_losses),
+                mean_std_cell([r.best_val_loss for r in finished]),
+                str(point.n_lost),
+            ])  # fmt: skip
+    if not rows:
+        return []
+    header = ("arm", "lr", "seeds", "final val loss", "best val loss", "diverged/failed seeds")
+    return [
+        "## Seeds",
+        "",
+        "Mean ± sample standard deviation over the seeds that completed; seeds that diverged or failed "
+        "are counted in the last column and left out of the mean (the LR sensitivity counts them as +∞).",
+        "",
+        *_table(header, rows),
+    ]
+
+
+def plots_section(comparison: Comparison, plots: list[Plot]) -> list[str]:
+    lines = ["## Plots", "", "Colour: norm; line style: placement. Diverged runs end at the last step before divergence (×)."]
+    if any(run.norm == "batch" for run in comparison.runs):
+        lines.append(
+            "BatchNorm's training loss is not causal (batch statistics include later tokens): compare BatchNorm "
+            "arms by validation loss."
+        )
+    for plot in plots:
+        lines += ["", f"### {plot.title[0].upper()}{plot.title[1:]}", ""]
+        lines.append(f"Not drawn: {plot.skipped}." if plot.skipped else f"![{plot.title}]({plot.file})")
+    if any(p.file.startswith("layers_") and not p.skipped for p in plots):
+        lines += ["", "Per-layer plots: the first telemetry row (initialization) and the last one (before divergence, if any)."]
+    return lines
+
+
+def write_report(comparison: Comparison, out: Path, plots: list[Plot], sources: list[str]) -> Path:
+    """Write `out`/report.md and return its path."""
+    n_arms = len(comparison.arms)
+    lines = [
+        "# normlab comparison",
+        "",
+        f"{len(comparison.runs)} runs in {n_arms} arm{'s' if n_arms != 1 else ''}, read from "
+        + ", ".join(f"`{s}`" for s in sources)
+        + f". Run dirs are shown relative to `{comparison.root}`.",
+        "",
+        *runs_section(comparison),
+        "",
+        *sensitivity_section(comparison),
+    ]
+    seeds = seeds_section(comparison)
+    if seeds:
+        lines += ["", *seeds]
+    lines += ["", *plots_section(comparison, plots)]
+    if comparison.notes:
+        lines += ["", "## Notes", "", *(f"- {_cell(note)}" for note in comparison.notes)]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

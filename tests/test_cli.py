@@ -1,0 +1,120 @@
+"""The real `normlab` command: runs, multiruns, help, and one-line errors for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from normlab.config import NORMS, PLACEMENTS
+
+TINY = ["model=tiny", "max_steps=2", "eval_every=1", "eval_batches=1", "batch_size=4", "seq_len=16", "progress=false"]
+
+
+def normlab(*args, cwd, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "normlab", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
+
+
+def run_dirs(root: Path) -> list[Path]:
+    return sorted(p.parent for p in root.rglob("summary.json") if "wandb" not in p.parts)
+
+
+# The core grid; tests/test_variant_smoke.py trains every other norm option, placement and QK-norm.
+CORE_NORMS, CORE_PLACEMENTS = ("none", "layer", "rms", "batch"), ("pre", "post")
+
+
+def test_the_core_norms_and_placements_train_through_the_real_command(tmp_path):
+    assert set(CORE_NORMS) <= set(NORMS) and set(CORE_PLACEMENTS) <= set(PLACEMENTS)
+    norms, placements = ",".join(CORE_NORMS), ",".join(CORE_PLACEMENTS)
+    result = normlab("train", "-m", f"norm={norms}", f"placement={placements}", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    dirs = run_dirs(tmp_path / "outputs" / "sweeps")
+    assert len(dirs) == len(CORE_NORMS) * len(CORE_PLACEMENTS)
+    assert len({d.parent for d in dirs}) == 1  # one sweep dir
+    arms, groups = set(), set()
+    for d in dirs:
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["status"] == "completed", summary
+        arms.add((summary["norm"], summary["placement"]))
+        groups.add(summary["group"])
+        assert d.name.endswith(f"{summary['norm']}-{summary['placement']}-d2-lr3e-3-s0")
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").open()]
+        assert rows[-1]["step"] == 2 and "val_loss" in rows[-1]
+        assert (d / ".hydra" / "config.yaml").exists()
+        assert list((d / "wandb").glob("offline-run-*"))
+    assert arms == {(n, p) for n in CORE_NORMS for p in CORE_PLACEMENTS}
+    assert groups == {dirs[0].parent.name}  # the sweep's id is the wandb group
+
+
+def test_single_run_dir_and_help(tmp_path):
+    result = normlab("train", "norm=rms", "placement=pre", "lr=1e-3", "wandb.mode=disabled", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [d] = run_dirs(tmp_path / "outputs" / "runs")
+    assert "_rms-pre-d2-lr1e-3-s0_" in d.name
+    saved = (d / ".hydra" / "config.yaml").read_text()
+    assert "name: rms" in saved and "lr: 0.001" in saved
+
+    help_text = normlab("train", "--help", cwd=tmp_path).stdout
+    norms = "norm: batch, batch_causal, dyt, l2, layer, layer_nobias, layer_noweight, none, rms, rms_noweight, scale"
+    for line in (norms, "model: medium, small, tiny", "data: hf, stdlib, text"):
+        assert line in help_text
+    assert "usage: normlab" in normlab("--help", cwd=tmp_path).stdout
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_dirs(tmp_path):
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "normlab", "train", "wandb.mode=disabled", *TINY],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
+    for p in procs:
+        assert p.wait(timeout=600) == 0
+    assert len(run_dirs(tmp_path / "outputs" / "runs")) == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["norm=group"], "norm='group'"),
+        (["placement=middle"], "placement='middle'"),
+        (["-m", "placement=pre,middle"], "placement='middle'"),
+        (["lr=0"], "lr=0"),
+        (["lr=-3e-4"], "lr=-0.0003"),
+        (["depth=0"], "depth=0"),
+        (["model.n_head=3"], "model.n_head=3"),
+        (["batch_size=10", "grad_accum=3"], "grad_accum=3"),
+        (["seq_len=512"], "seq_len=512"),
+    ],
+)
+def test_bad_config_gives_one_clear_line(tmp_path, overrides, key):
+    result = normlab("train", *overrides, "max_steps=1", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("normlab: error: ") and key in lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not run_dirs(tmp_path)
+
+
+def test_hub_dataset_without_network_fails_fast_with_one_line(tmp_path):
+    start = time.monotonic()
+    result = normlab("train", "data=hf", "data.name=surely/not-a-cached-dataset", *TINY, cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert "surely/not-a-cached-dataset" in line and "cache" in line
+    assert elapsed < 15  # interpreter + torch import included; the hub check itself takes about a second at most

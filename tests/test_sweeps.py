@@ -1,0 +1,125 @@
+"""Sweeps always finish: divergence is an outcome, a failed job is recorded, fail_fast stops the sweep."""
+
+import json
+import math
+import re
+
+import pytest
+
+from conftest import tiny_config
+from test_cli import TINY, normlab, run_dirs
+from normlab.train import train
+
+
+def _summaries(root):
+    return {json.loads((d / "summary.json").read_text())["name"]: (d, json.loads((d / "summary.json").read_text())) for d in run_dirs(root)}
+
+
+def _wandb_exit_code(run_dir):
+    [log] = run_dir.glob("wandb/offline-run-*/logs/debug.log")
+    codes = re.findall(r"got exitcode: (\d+)", log.read_text())
+    return int(codes[-1]) if codes else None
+
+
+def test_a_diverging_job_is_recorded_and_the_sweep_exits_0(tmp_path):
+    result = normlab(
+        "train", "-m", "norm=none", "lr=1e-3,3e-3,1e5", "optim.warmup_steps=0", "optim.grad_clip=0",
+        *TINY, "max_steps=6", "log_every=2", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = _summaries(tmp_path / "outputs")
+    assert len(runs) == 3
+    statuses = {s["lr"]: s["status"] for _, s in runs.values()}
+    assert statuses == {1e-3: "completed", 3e-3: "completed", 1e5: "diverged"}
+    d, s = runs["none-pre-d2-lr1e5-s0"]
+    assert isinstance(s["diverged_step"], int) and 0 < s["diverged_step"] <= 6
+    assert s["final_val_loss"] is None  # NaN in JSON
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").open()]
+    assert rows[-1] == {"step": s["diverged_step"], "tokens": s["diverged_step"] * 4 * 16, "status": "diverged"}
+    assert all(r["step"] < s["diverged_step"] for r in rows[:-1])
+    for d, _ in runs.values():
+        assert _wandb_exit_code(d) == 0  # finished; divergence is an outcome, not a failure
+
+
+def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
+    # device=cuda on a machine without CUDA raises inside the job, after the run dir and wandb run exist.
+    result = normlab("train", "-m", "device=cuda,cpu", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted(run_dirs(tmp_path / "outputs"))
+    assert len(runs) == 2
+    failed = json.loads((runs[0] / "summary.json").read_text())
+    assert failed["status"] == "failed" and "CUDA" in failed["error"]
+    assert _wandb_exit_code(runs[0]) == 1
+    assert json.loads((runs[1] / "summary.json").read_text())["status"] == "completed"
+    assert _wandb_exit_code(runs[1]) == 0
+    assert "failed: RuntimeError" in result.stderr
+
+
+def test_fail_fast_stops_the_sweep(tmp_path):
+    result = normlab("train", "-m", "device=cuda,cpu", "fail_fast=true", *TINY, cwd=tmp_path)
+    assert result.returncode != 0
+    [only] = run_dirs(tmp_path / "outputs")
+    assert json.loads((only / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_nan_loss_stops_the_run_at_its_step(tmp_path, monkeypatch):
+    cfg = tiny_config("layer", max_steps=8, log_every=3, eval_every=0)
+    cfg.wandb.mode = "disabled"
+    import normlab.train as loop
+
+    real = loop.accumulate_gradients
+    calls = []
+
+    def poisoned(*args, **kwargs):
+        calls.append(1)
+        loss = real(*args, **kwargs)
+        return loss * math.nan if len(calls) == 5 else loss  # step 4 goes bad
+
+    monkeypatch.setattr(loop, "accumulate_gradients", poisoned)
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "diverged" and summary["diverged_step"] == 4
+    assert math.isnan(summary["final_val_loss"])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [0, 3, 4] and rows[-1]["status"] == "diverged"
+
+
+def test_the_job_returns_its_final_val_loss(tmp_path, monkeypatch):
+    """What Hydra's sweepers (Optuna) optimize: the job's return value."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict, read_write
+
+    from normlab.app import _task, register_resolvers
+
+    register_resolvers()
+    monkeypatch.chdir(tmp_path)
+    returned = {}
+    for lr in ("1e-3", "1e5"):
+        overrides = ["model=tiny", "max_steps=4", "eval_every=2", "batch_size=4", "seq_len=16", "progress=false",
+                     "wandb.mode=disabled", "norm=none", "optim.warmup_steps=0", "optim.grad_clip=0", f"lr={lr}",
+                     f"hydra.run.dir={tmp_path / lr}", "hydra.job.num=0"]
+        with initialize_config_module("normlab.conf", version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+            with read_write(cfg.hydra.runtime), open_dict(cfg.hydra.runtime):
+                cfg.hydra.runtime.output_dir = str(tmp_path / lr)
+            HydraConfig.instance().set_config(cfg)
+            returned[lr] = _task(cfg)
+    summary = json.loads((tmp_path / "1e-3" / "summary.json").read_text())
+    assert returned["1e-3"] == pytest.approx(summary["final_val_loss"])
+    assert math.isnan(returned["1e5"])
+    assert json.loads((tmp_path / "1e5" / "summary.json").read_text())["status"] == "diverged"
+
+
+def test_experiment_presets_compose_to_their_sweeps():
+    from hydra import compose, initialize_config_module
+
+    from normlab.app import register_resolvers
+
+    register_resolvers()
+    with initialize_config_module("normlab.conf", version_base="1.3"):
+        grid = compose("config", overrides=["+experiment=norm_grid"], return_hydra_config=True)
+        lrs = compose("config", overrides=["+experiment=lr_sweep"], return_hydra_config=True)
+        depth = compose("config", overrides=["+experiment=depth_sweep"], return_hydra_config=True)
+    assert dict(grid.hydra.sweeper.params) == {"norm": "none,layer,rms,batch", "placement": "pre,post"}
+    assert lrs.hydra.sweeper.params.lr == "3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1"
+    assert depth.hydra.sweeper.params.depth == "2,4,8,16"

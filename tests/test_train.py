@@ -1,0 +1,136 @@
+"""The training loop: gradient accumulation, determinism, precisions, schedule, run files."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from normlab.model import GPT
+from normlab.train import accumulate_gradients, autocast, lr_at, param_groups, train
+
+
+def _grads(cfg, grad_accum, precision="fp32"):
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (8, 16), generator=gen)
+    y = torch.randint(0, 256, (8, 16), generator=gen)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    loss = accumulate_gradients(model, x, y, grad_accum, scaler, torch.device("cpu"), precision)
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("norm", ["none", "layer", "rms"])
+def test_grad_accumulation_gives_the_full_batch_gradient(norm):
+    cfg = tiny_config(norm)
+    loss1, g1 = _grads(cfg, 1)
+    loss4, g4 = _grads(cfg, 4)
+    torch.testing.assert_close(loss4, loss1, rtol=1e-5, atol=1e-6)
+    for name in g1:
+        torch.testing.assert_close(g4[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_one_step_with_grad_accum_4_equals_one_step_with_1(tmp_path):
+    """Through the real loop: same batch, same update, so the next step's loss agrees too."""
+    runs = {}
+    for k in (1, 4):
+        cfg = tiny_config("layer", grad_accum=k, max_steps=2, eval_every=0, log_every=1)
+        cfg.wandb.mode = "disabled"
+        train(cfg, tmp_path / f"k{k}")
+        runs[k] = [json.loads(line) for line in (tmp_path / f"k{k}" / "metrics.jsonl").open()]
+    for a, b in zip(runs[1], runs[4]):
+        for key in ("loss", "grad_norm", "val_loss"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4), key
+
+
+def test_same_config_and_seed_give_the_same_loss_curve(tmp_path):
+    curves = []
+    for i in range(2):
+        cfg = tiny_config("batch", "post", max_steps=5)
+        cfg.wandb.mode = "disabled"
+        train(cfg, tmp_path / str(i))
+        curves.append([(r["step"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, (tmp_path / str(i) / "metrics.jsonl").open())])
+    assert curves[0] == curves[1]
+    other = tiny_config("batch", "post", max_steps=5, seed=1)
+    other.wandb.mode = "disabled"
+    train(other, tmp_path / "other")
+    third = [(r["step"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, (tmp_path / "other" / "metrics.jsonl").open())]
+    assert third != curves[0]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_paths_train_on_cpu(tmp_path, precision):
+    cfg = tiny_config("rms", precision=precision, max_steps=6)
+    cfg.wandb.mode = "disabled"
+    summary = train(cfg, tmp_path)
+    assert summary["precision"] == precision and summary["status"] == "completed"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
+
+
+def test_autocast_really_lowers_precision():
+    model = GPT(tiny_config("rms"))
+    x = torch.randint(0, 256, (2, 8))
+    with autocast(torch.device("cpu"), "bf16"):
+        assert model.head(model.tok_emb(x)).dtype == torch.bfloat16
+    with autocast(torch.device("cpu"), "fp32"):
+        assert model.head(model.tok_emb(x)).dtype == torch.float32
+
+
+def test_fp16_uses_a_grad_scaler_whose_scale_is_undone():
+    cfg = tiny_config("layer")
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x = torch.randint(0, 256, (8, 16))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    accumulate_gradients(model, x, x, 2, scaler, torch.device("cpu"), "fp16")
+    scaled = model.blocks[0].mlp.fc.weight.grad.clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler.unscale_(opt)
+    torch.testing.assert_close(model.blocks[0].mlp.fc.weight.grad * 1024.0, scaled)
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    cfg = tiny_config(lr=1e-3, max_steps=100)
+    cfg.optim.warmup_steps = 10
+    cfg.optim.min_lr_ratio = 0.1
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(55, cfg) == pytest.approx(1e-4 + 0.5 * 9e-4)
+    assert lr_at(100, cfg) == pytest.approx(1e-4)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 100))
+
+
+def test_no_weight_decay_on_norm_gains_biases_or_embeddings():
+    model = GPT(tiny_config("layer"))
+    decay, no_decay = param_groups(model, 0.1)
+    decayed = {id(p) for p in decay["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in decayed}
+    assert names and all(n.endswith(("qkv.weight", "proj.weight", "fc.weight")) for n in names)
+    assert no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_run_files(tmp_path):
+    cfg = tiny_config("rms", max_steps=4, eval_every=2)
+    cfg.wandb.mode = "disabled"
+    summary = train(cfg, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 2, 4]
+    for r in rows[:-1]:
+        assert {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s"} <= r.keys()
+    assert rows[-1]["tokens"] == 4 * 8 * 16
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["status"] == "completed"
+    assert saved["final_val_loss"] == pytest.approx(rows[-1]["val_loss"])
+    assert saved["best_val_loss"] == pytest.approx(min(r["val_loss"] for r in rows if "val_loss" in r))
+    for key in ("steps", "tokens", "wall_time_s", "n_params", "corpus_sha256", "corpus_bytes"):
+        assert key in saved
+    assert saved["n_params"] == sum(p.numel() for p in GPT(cfg).parameters())
+    assert summary["final_val_loss"] == saved["final_val_loss"]

@@ -219,9 +219,9 @@ class Probe:
     def _on_attention(self, label: str):
         def hook(module, args, out):
             self._record(f"act/out_rms/{label}/attn", out)
-            q, k = self._qk.pop(f"{label}/q"), self._qk.pop(f"{label}/k")
-            if f"attn/entropy/{label}" in self._scalars:
-                return  # only the step's first micro-batch
+            q, k = self._qk.pop(f"{label}/q", None), self._qk.pop(f"{label}/k", None)
+            if q is None or k is None or f"attn/entropy/{label}" in self._scalars:
+                return  # only the step's first micro-batch, and only if heads() ran its q/k norms
             with torch.no_grad():
                 logit_max, entropy = attention_stats(q[:ATTN_PROBE_SEQS], k[:ATTN_PROBE_SEQS])
             self._scalars[f"attn/logit_max/{label}"] = logit_max

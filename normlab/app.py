@@ -70,6 +70,8 @@ def _check_value(key: str, value) -> None:
         raise ConfigError(f"lr={value!r}: must be a positive number")
     if key == "depth" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         raise ConfigError(f"depth={value!r}: must be an integer >= 1")
+    if key == "telemetry.every" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ConfigError(f"telemetry.every={value!r}: must be an integer >= 0 (0 turns telemetry off)")
 
 
 def precheck(overrides: list[str], config_dirs: list[str]) -> None:

@@ -100,6 +100,13 @@ class WandbConfig:
 
 
 @dataclass
+class TelemetryConfig:
+    """Per-layer statistics (normlab.telemetry): at step 0, every `every` steps and at the last step."""
+
+    every: int = 10  # 0 turns telemetry off
+
+
+@dataclass
 class RunConfig:
     """Everything one run needs. Short top-level keys are the ones users sweep."""
 
@@ -129,6 +136,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], validate: bool = True) -> "RunConfig":
@@ -198,6 +206,8 @@ class RunConfig:
             _positive(f"norm.{key}", getattr(self.norm, key))
         if not 0.0 <= self.mix_p <= 1.0:
             raise ConfigError(f"mix_p={self.mix_p}: must be between 0 and 1 (the fraction of post-norm blocks)")
+        if self.telemetry.every < 0:
+            raise ConfigError(f"telemetry.every={self.telemetry.every}: must be an integer >= 0 (0 turns telemetry off)")
         if not 0.0 <= self.norm.momentum <= 1.0:
             raise ConfigError(f"norm.momentum={self.norm.momentum}: must be between 0 and 1")
         if not 0.0 <= self.optim.min_lr_ratio <= 1.0:

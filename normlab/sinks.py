@@ -1,11 +1,14 @@
 """Where a run's records go: metrics.jsonl and summary.json in the run dir, and wandb.
 
 The training loop hands every sink the same flat records (slash-grouped keys,
-as wandb's dashboard groups them). A sink never changes what it is given.
+as wandb's dashboard groups them), and at the end of a run the same tables and
+PNG images (named like 'telemetry/layers'). A sink never changes what it is given.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import os
@@ -15,6 +18,10 @@ from typing import Any, Protocol
 
 class Sink(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None: ...
+
+    def log_image(self, name: str, png: bytes) -> None: ...
 
     def finish(self, summary: dict[str, Any], exit_code: int) -> None: ...
 
@@ -51,6 +58,26 @@ class RunDir:
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json_atomic(self.summary_path, {k: _jsonable(v) for k, v in summary.items()})
 
+    def write_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> Path:
+        """Write a table as `<name>.csv` in the run dir ('telemetry/layers' -> telemetry/layers.csv); None is an empty cell."""
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows(rows)
+        return self._write_atomic(f"{name}.csv", buffer.getvalue().encode())
+
+    def write_image(self, name: str, png: bytes) -> Path:
+        """Write PNG bytes as `<name>.png` in the run dir."""
+        return self._write_atomic(f"{name}.png", png)
+
+    def _write_atomic(self, relative: str, data: bytes) -> Path:
+        path = self.path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return path
+
 
 class MetricsFile:
     """Appends each record as one JSON line to the run dir's metrics.jsonl, flushed at once."""
@@ -61,6 +88,12 @@ class MetricsFile:
 
     def log(self, record: dict[str, Any]) -> None:
         self._fh.write(json.dumps({k: _jsonable(v) for k, v in record.items()}, allow_nan=False) + "\n")
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None:
+        self.run_dir.write_table(name, columns, rows)
+
+    def log_image(self, name: str, png: bytes) -> None:
+        self.run_dir.write_image(name, png)
 
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
         self._fh.close()
@@ -86,10 +119,21 @@ class WandbSink:
             reinit="create_new",
             settings=wandb.Settings(silent=True, console="off"),
         )
+        self._step: int | None = None
+
 
     def log(self, record: dict[str, Any]) -> None:
-        step = record.get("step")
-        self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        self._step = record.get("step")
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=self._step)
+
+    # Tables and images join the last record's step, so end-of-run products do not add steps to the run.
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None:
+        self.run.log({name: self._wandb.Table(columns=columns, data=rows)}, step=self._step)
+
+    def log_image(self, name: str, png: bytes) -> None:
+        from PIL import Image
+
+        self.run.log({name: self._wandb.Image(Image.open(io.BytesIO(png)))}, step=self._step)
 
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
         try:

@@ -1,12 +1,14 @@
 """The training loop: `train(cfg, run_dir)` trains one model and returns its summary.
 
 Knows nothing of Hydra. It reads a validated RunConfig, builds data and model,
-runs AdamW with warmup + cosine decay, evaluates on fixed held-out batches, and
-hands every record to the sinks (metrics.jsonl, wandb).
+runs AdamW with warmup + cosine decay, evaluates on fixed held-out batches,
+measures per-layer telemetry on its steps (normlab.telemetry), and hands every
+record to the sinks (metrics.jsonl, wandb).
 
 Step convention: record `step` s holds what was measured at the weights after s
 updates: the training loss and gradient of batch s, and val_loss when evaluated.
 So step 0 is initialization, and the final evaluation is logged at step max_steps.
+Telemetry steps (0, every telemetry.every steps, max_steps - 1) are always logged steps.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .config import RunConfig
 from .data import Corpus, eval_batches, load_corpus, sample_batch
 from .model import GPT
 from .sinks import MetricsFile, RunDir, Sink, WandbSink
+from .telemetry import Probe
 
 
 def run_name(cfg: RunConfig) -> str:
@@ -220,6 +223,7 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
         fused=device.type == "cuda",
     )
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    probe = Probe(model, cfg.telemetry.every, cfg.max_steps)
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
@@ -249,21 +253,29 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
             group["lr"] = lr
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = accumulate_gradients(model, x, y, cfg.grad_accum, scaler, device, precision)
+        # Hooks exist only inside this block on telemetry steps; other steps run the bare model.
+        watching = probe.active(step)
+        with probe.watch() if watching else contextlib.nullcontext():
+            loss = accumulate_gradients(model, x, y, cfg.grad_accum, scaler, device, precision)
         guard.observe(step, loss)
         scaler.unscale_(optimizer)
+        if watching:
+            probe.measure_gradients(scaler)  # the accumulated, un-scaled gradient, before clipping
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if watching:
+            probe.before_update()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         tokens += tokens_per_step
 
-        logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record
+        logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record or watching
         if logged:
             diverged_step = guard.diverged_at()
             if diverged_step is not None:
                 break
             loss_value = loss.item()
+        telemetry = probe.collect(step) if watching else {}  # telemetry's one host transfer
         elapsed = time.perf_counter() - t0
         train_time += elapsed
         window_time += elapsed
@@ -275,6 +287,7 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
                 grad_norm=grad_norm.item(),
                 tokens_per_s=window_tokens / window_time,
             )
+            record.update(telemetry)
             window_tokens, window_time = 0, 0.0
             _emit(sinks, record)
             if bar is not None:
@@ -288,6 +301,8 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
         _emit(sinks, {"step": diverged_step, "tokens": diverged_step * tokens_per_step, "status": "diverged"})
         result.update(status="diverged", diverged_step=diverged_step)
         last_val = math.nan
+    elif probe.history:
+        _emit_telemetry_products(sinks, probe)
     return {
         **result,
         "final_val_loss": last_val,
@@ -304,6 +319,19 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
 def _emit(sinks: list[Sink], record: dict[str, Any]) -> None:
     for sink in sinks:
         sink.log(record)
+
+
+def _emit_telemetry_products(sinks: list[Sink], probe: Probe) -> None:
+    """The end-of-run per-layer table and layer × step heatmaps of residual RMS and gradient norm."""
+    columns, rows = probe.layer_table()
+    images = {
+        "telemetry/resid_rms": probe.heatmap("act/resid_rms", "RMS of the residual stream after each block"),
+        "telemetry/grad_norm": probe.heatmap("grad/norm", "L2 norm of each block's parameter gradient"),
+    }
+    for sink in sinks:
+        sink.log_table("telemetry/layers", columns, rows)
+        for name, png in images.items():
+            sink.log_image(name, png)
 
 
 def _progress(cfg: RunConfig):

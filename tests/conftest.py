@@ -8,7 +8,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 
-from normlab.config import ModelConfig, NormConfig, RunConfig  # noqa: E402
+from normlab.config import NORMS, PLACEMENTS, ConfigError, ModelConfig, NormConfig, RunConfig  # noqa: E402
 
 
 def tiny_config(norm: str = "layer", placement: str = "pre", **overrides) -> RunConfig:
@@ -30,6 +30,18 @@ def tiny_config(norm: str = "layer", placement: str = "pre", **overrides) -> Run
         setattr(cfg, key, value)
     cfg.validate()
     return cfg
+
+
+def _valid(norm: str, placement: str) -> bool:
+    try:
+        tiny_config(norm, placement)
+    except ConfigError:
+        return False
+    return True
+
+
+# Every norm × placement that validation accepts (placement=deepnorm with norm=none is refused, for one).
+VALID_ARMS = [(n, p) for n in NORMS for p in PLACEMENTS if _valid(n, p)]
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,393 @@
+"""Per-layer telemetry: the Probe that measures how activations, gradients and updates flow through depth.
+
+On a telemetry step the training loop runs its micro-batches inside `probe.watch()`,
+then calls `measure_gradients` (accumulated, un-scaled gradient, before clipping),
+`before_update` (just before the optimizer step) and `collect` (after it). On any
+other step the Probe has no hook registered and does nothing.
+
+Every statistic is reduced on the device to scalars (norms, maxima); `collect` moves
+them to the host in one transfer. Hooks attach to the eager modules and statistics are
+computed outside the model's forward, so a loop that runs a compiled model must run
+the eager one on telemetry steps.
+
+Keys (L03 = block 3, zero-padded so wandb's panels sort):
+    act/resid_rms/L03, act/resid_max/L03    the residual stream after block 3
+    act/out_rms/L03/attn, .../mlp           a sublayer's output, before any output norm
+    act/norm_in_rms/L03/norm1, act/norm_out_rms/L03/norm1, ... and .../norm_f
+    act/embed_rms, act/embed_max            the stream entering block 0
+    grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / entering block 0
+    grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_f_norm
+    update_ratio/L03, update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, update_ratio/norm_f
+    norm/gain_mean/L03/norm1, norm/gain_std/..., norm/alpha/..., norm/running_var/...
+    attn/logit_max/L03, attn/entropy/L03
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+# Attention statistics are taken on the first sequences of the step's first micro-batch: the
+# explicit T×T score matrix is the most expensive statistic, and these sequences are the same ones
+# whatever grad_accum is.
+ATTN_PROBE_SEQS = 8
+
+# Norm parameters whose mean and std are the norm's gain (γ / w of LayerNorm, RMSNorm, BatchNorm;
+# ScaleNorm's scalar g), and DyT's scalar α.
+GAIN_PARAMS = ("weight", "g")
+ALPHA_PARAM = "alpha"
+
+LAYER_KEY = re.compile(r"^(?P<stat>.+?)/(?P<layer>L\d+)(?:/(?P<part>.+))?$")
+
+
+def layer_label(index: int, depth: int) -> str:
+    """'L03' for block 3; wide enough that every label of a `depth`-block model has the same length."""
+    return f"L{index:0{max(2, len(str(depth - 1)))}d}"
+
+
+def attention_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The maximum pre-softmax logit q·k/sqrt(head_dim) over causal (query, key) pairs, and the
+    mean over batch, heads and queries of the attention distribution's entropy (nats).
+
+    `q`, `k`: (B, n_head, T, head_dim), as `CausalSelfAttention.heads` returns them.
+    """
+    q, k = q.float(), k.float()
+    T = q.size(-2)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, -math.inf)
+    p = torch.softmax(scores, dim=-1)
+    entropy = -torch.special.xlogy(p, p).sum(-1)  # xlogy(0, 0) = 0 for the masked keys
+    return scores.amax(), entropy.mean()
+
+
+def _l2(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(x.detach(), dtype=torch.float32)
+
+
+def _max_abs(x: torch.Tensor) -> torch.Tensor:
+    # Not vector_norm(ord=inf): on the CPU it is ~20x slower than a max and a min.
+    x = x.detach()
+    return torch.maximum(x.amax(), -x.amin()).float()
+
+
+def _is_norm_slot(name: str, module: nn.Module) -> bool:
+    # Slots are named norm1, norm2, norm1_out, ... in every arm; an unused slot is an nn.Identity.
+    return name.startswith("norm") and not isinstance(module, nn.Identity)
+
+
+class Probe:
+    """Measures one model's per-layer statistics on the steps `active` says, and keeps their history.
+
+    `model` is a normlab GPT (or anything with `blocks`, `tok_emb`, `pos_emb`, `norm_f` and
+    attention modules with `q_norm`/`k_norm`). `every=0` makes no step active.
+
+    On the device, each hooked tensor is reduced to its L2 norm (or max |x|) and each parameter to
+    the L2 norm of its gradient, weight and update; `collect` moves these few hundred scalars to the
+    host at once and combines them there (RMS over micro-batches, norms over parameter groups).
+    """
+
+    def __init__(self, model: nn.Module, every: int, max_steps: int):
+        self.model = model
+        self.every = every
+        self.last_step = max_steps - 1
+        depth = len(model.blocks)
+        self.labels = [layer_label(i, depth) for i in range(depth)]
+        self.history: list[dict[str, Any]] = []  # one {"step": s, key: value, ...} per telemetry step
+        self._params, self._groups = self._param_groups()
+        self._norms = self._norm_modules()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._calls: dict[str, list[tuple[torch.Tensor, int]]] = {}  # RMS keys: (L2 norm, numel) per hooked call
+        self._maxima: dict[str, list[torch.Tensor]] = {}
+        self._scalars: dict[str, torch.Tensor] = {}  # finished statistics (attention, norm parameters)
+        self._grad_norms: list[torch.Tensor] = []  # per parameter, aligned with self._params
+        self._weight_norms: list[torch.Tensor] = []
+        self._before: list[torch.Tensor] = []
+        self._scale: torch.Tensor | None = None
+        self._qk: dict[str, torch.Tensor] = {}
+
+    def _param_groups(self) -> tuple[list[nn.Parameter], dict[str, list[int]]]:
+        """The model's parameters (each once) and groups of their indices by location:
+        'L03' (the whole block), 'L03/attn', 'L03/mlp', 'L03/norms', 'embed', 'norm_f'."""
+        params: list[nn.Parameter] = []
+        index: dict[int, int] = {}
+
+        def ids(modules_params) -> list[int]:
+            out = []
+            for p in modules_params:
+                if id(p) not in index:
+                    index[id(p)] = len(params)
+                    params.append(p)
+                out.append(index[id(p)])
+            return out
+
+        groups = {
+            "embed": ids([self.model.tok_emb.weight, self.model.pos_emb.weight]),  # tok_emb is also the tied head
+            "norm_f": ids(self.model.norm_f.parameters()),
+        }
+        for label, block in zip(self.labels, self.model.blocks):
+            groups[label] = ids(block.parameters())
+            for name, child in block.named_children():
+                part = "norms" if name.startswith("norm") else name
+                groups.setdefault(f"{label}/{part}", []).extend(ids(child.parameters()))
+        return params, {loc: members for loc, members in groups.items() if members}
+
+    def _norm_modules(self) -> dict[str, nn.Module]:
+        """Every norm that is not an identity, by location: 'L03/norm1', ..., 'norm_f'."""
+        norms = {}
+        for label, block in zip(self.labels, self.model.blocks):
+            for name, child in block.named_children():
+                if _is_norm_slot(name, child):
+                    norms[f"{label}/{name}"] = child
+        if _is_norm_slot("norm_f", self.model.norm_f):
+            norms["norm_f"] = self.model.norm_f
+        return norms
+
+    def active(self, step: int) -> bool:
+        """True at step 0, every `every` steps and at the last training step; never when `every` is 0."""
+        return self.every > 0 and (step % self.every == 0 or step == self.last_step)
+
+    # ------------------------------------------------------------------ activations
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        """Hook the model for the forward and backward passes run inside; every hook is removed on exit."""
+        handles = [self.model.blocks[0].register_forward_pre_hook(self._on_embed)]
+        for label, block in zip(self.labels, self.model.blocks):
+            handles.append(block.register_forward_hook(self._on_stream(label)))
+            handles.append(block.attn.register_forward_hook(self._on_attention(label)))
+            handles.append(block.attn.q_norm.register_forward_hook(self._on_qk(label, "q")))
+            handles.append(block.attn.k_norm.register_forward_hook(self._on_qk(label, "k")))
+            handles.append(block.mlp.register_forward_hook(self._on_output(f"act/out_rms/{label}/mlp")))
+        for loc, norm in self._norms.items():
+            handles.append(norm.register_forward_hook(self._on_norm(loc)))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._qk.clear()
+
+    def _record(self, key: str, x: torch.Tensor) -> None:
+        self._calls.setdefault(key, []).append((_l2(x), x.numel()))
+
+    def _watch_gradient(self, key: str, x: torch.Tensor) -> None:
+        if x.requires_grad:
+            x.register_hook(lambda grad: self._record(key, grad))
+
+    def _on_embed(self, module, args):
+        x = args[0]
+        self._record("act/embed_rms", x)
+        self._maxima.setdefault("act/embed_max", []).append(_max_abs(x))
+        self._watch_gradient("grad/embed_rms", x)
+
+    def _on_stream(self, label: str):
+        def hook(module, args, out):
+            self._record(f"act/resid_rms/{label}", out)
+            self._maxima.setdefault(f"act/resid_max/{label}", []).append(_max_abs(out))
+            self._watch_gradient(f"grad/resid_rms/{label}", out)
+
+        return hook
+
+    def _on_output(self, key: str):
+        def hook(module, args, out):
+            self._record(key, out)
+
+        return hook
+
+    def _on_norm(self, loc: str):
+        def hook(module, args, out):
+            self._record(f"act/norm_in_rms/{loc}", args[0])
+            self._record(f"act/norm_out_rms/{loc}", out)
+
+        return hook
+
+    def _on_qk(self, label: str, which: str):
+        def hook(module, args, out):
+            self._qk[f"{label}/{which}"] = out
+
+        return hook
+
+    def _on_attention(self, label: str):
+        def hook(module, args, out):
+            self._record(f"act/out_rms/{label}/attn", out)
+            q, k = self._qk.pop(f"{label}/q", None), self._qk.pop(f"{label}/k", None)
+            if q is None or k is None or f"attn/entropy/{label}" in self._scalars:
+                return  # only the step's first micro-batch, and only if heads() ran its q/k norms
+            with torch.no_grad():
+                logit_max, entropy = attention_stats(q[:ATTN_PROBE_SEQS], k[:ATTN_PROBE_SEQS])
+            self._scalars[f"attn/logit_max/{label}"] = logit_max
+            self._scalars[f"attn/entropy/{label}"] = entropy
+
+        return hook
+
+    # ------------------------------------------------------------------ gradients and updates
+
+    @torch.no_grad()
+    def measure_gradients(self, scaler: torch.amp.GradScaler) -> None:
+        """Gradient statistics of the step. Call after `scaler.unscale_` and before clipping.
+
+        The residual-stream gradients were captured during backward with the loss scaled by the
+        GradScaler; its current scale is kept (as a device tensor: no host sync) to divide them by.
+        """
+        zero = torch.zeros((), device=self._params[0].device)
+        self._grad_norms = [zero if p.grad is None else _l2(p.grad) for p in self._params]
+        self._scale = scaler.scale(torch.ones((), device=self._params[0].device))
+
+    @torch.no_grad()
+    def before_update(self) -> None:
+        """Snapshot the weights (for the update ratios) and measure the norms' parameters. Call just before the optimizer step."""
+        self._before = [p.detach().clone() for p in self._params]
+        self._weight_norms = [_l2(p) for p in self._before]
+        for loc, norm in self._norms.items():
+            for name, param in norm.named_parameters(recurse=False):
+                if name in GAIN_PARAMS:
+                    gain = param.detach().float()
+                    self._scalars[f"norm/gain_mean/{loc}"] = gain.mean()
+                    self._scalars[f"norm/gain_std/{loc}"] = gain.std(correction=0)
+                elif name == ALPHA_PARAM:
+                    self._scalars[f"norm/alpha/{loc}"] = param.detach().float().mean()
+            running_var = getattr(norm, "running_var", None)
+            if isinstance(running_var, torch.Tensor):
+                self._scalars[f"norm/running_var/{loc}"] = running_var.float().mean()
+
+    @torch.no_grad()
+    def collect(self, step: int) -> dict[str, float]:
+        """Finish the step and return every statistic as {key: float}; also appended to `history`.
+
+        Call after the optimizer step: the update ratio ‖ΔW‖/‖W‖ is over the step just taken.
+        All device values reach the host in one transfer.
+        """
+        deltas = [_l2(p - b) for p, b in zip(self._params, self._before)] if self._before else []
+        parts: dict[str, list[torch.Tensor]] = {
+            **{f"calls:{k}": [n for n, _ in calls] for k, calls in self._calls.items()},
+            **{f"max:{k}": v for k, v in self._maxima.items()},
+            **{f"scalar:{k}": [v] for k, v in self._scalars.items()},
+            "grad": self._grad_norms,
+            "weight": self._weight_norms,
+            "delta": deltas,
+            "scale": [] if self._scale is None else [self._scale],
+        }
+        flat = [t.float() for ts in parts.values() for t in ts]
+        host_values = torch.stack(flat).tolist() if flat else []  # the one host transfer
+        host: dict[str, list[float]] = {}
+        offset = 0
+        for name, ts in parts.items():
+            host[name] = host_values[offset : offset + len(ts)]
+            offset += len(ts)
+        stats = self._combine(host)
+        self.history.append({"step": step, **stats})
+        self._reset()
+        return stats
+
+    def _combine(self, host: dict[str, list[float]]) -> dict[str, float]:
+        """Host-side arithmetic on the transferred scalars."""
+        stats: dict[str, float] = {}
+        scale = host["scale"][0] if host["scale"] else 1.0
+        for key, calls in self._calls.items():
+            # Mean of the calls' mean squares: with equal micro-batches that is the whole batch's mean
+            # square. A stream gradient of a micro-batch whose loss was scaled by 1/grad_accum is exactly
+            # its slice of the full-batch gradient, so the same holds for grad/*.
+            mean_square = sum(n * n / numel for n, (_, numel) in zip(host[f"calls:{key}"], calls)) / len(calls)
+            stats[key] = math.sqrt(mean_square) / (scale if key.startswith("grad/") else 1.0)
+        for key in self._maxima:
+            stats[key] = max(host[f"max:{key}"])
+        for key in self._scalars:
+            stats[key] = host[f"scalar:{key}"][0]
+        for loc, members in self._groups.items():
+            if host["grad"]:
+                key = {"embed": "grad/embed_norm", "norm_f": "grad/norm_f_norm"}.get(loc, f"grad/norm/{loc}")
+                stats[key] = _group_norm(host["grad"], members)
+            if host["delta"]:
+                weight = _group_norm(host["weight"], members)
+                stats[f"update_ratio/{loc}"] = _group_norm(host["delta"], members) / weight if weight > 0 else math.nan
+        return dict(sorted(stats.items()))
+
+    # ------------------------------------------------------------------ end-of-run products
+
+    def layer_table(self) -> tuple[list[str], list[list[Any]]]:
+        """The per-layer statistics in long form: one row per (telemetry step, block).
+
+        Columns are 'step', 'layer' and one per statistic with the layer taken out of its key
+        ('act/resid_rms', 'grad/norm/attn', 'norm/gain_mean/norm1', ...); a missing value is None.
+        """
+        columns: set[str] = set()
+        rows_by_step = []
+        for entry in self.history:
+            per_layer: dict[str, dict[str, float]] = {label: {} for label in self.labels}
+            for key, value in entry.items():
+                m = LAYER_KEY.match(key)
+                if m and m["layer"] in per_layer:
+                    column = m["stat"] + (f"/{m['part']}" if m["part"] else "")
+                    per_layer[m["layer"]][column] = value
+                    columns.add(column)
+            rows_by_step.append((entry["step"], per_layer))
+        ordered = sorted(columns)
+        rows = [
+            [step, label, *(cells.get(c) for c in ordered)]
+            for step, per_layer in rows_by_step
+            for label, cells in per_layer.items()
+        ]
+        return ["step", "layer", *ordered], rows
+
+    def heatmap(self, stat: str, title: str) -> bytes:
+        """A layer × step heatmap of `stat` (e.g. 'act/resid_rms') over the history, as PNG bytes."""
+        import numpy as np
+
+        steps = [entry["step"] for entry in self.history]
+        grid = np.array(
+            [[_finite_or_nan(entry.get(f"{stat}/{label}")) for entry in self.history] for label in self.labels],
+            dtype=float,
+        )
+        return _render_heatmap(grid, self.labels, steps, title)
+
+
+def _group_norm(norms: list[float], members: list[int]) -> float:
+    """The L2 norm of a group of tensors, from each member's L2 norm."""
+    return math.sqrt(sum(norms[i] ** 2 for i in members))
+
+
+def _finite_or_nan(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
+
+
+def _render_heatmap(grid, row_labels: list[str], steps: list[int], title: str) -> bytes:
+    """Render `grid` (rows = layers, bottom to top; columns = steps); the colour scale is logarithmic
+    when the values are positive and span more than a factor of 10."""
+    # A bare Figure renders with the Agg canvas and never touches pyplot's global backend.
+    import numpy as np
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+
+    finite = grid[np.isfinite(grid)]
+    log_scale = finite.size > 0 and finite.min() > 0 and finite.max() > 10 * finite.min()
+    fig = Figure(figsize=(max(5.0, 0.3 * len(steps) + 2.5), max(2.5, 0.35 * len(row_labels) + 1.2)), dpi=100)
+    ax = fig.add_subplot()
+    image = ax.imshow(
+        np.ma.masked_invalid(grid),
+        origin="lower",
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        norm=LogNorm() if log_scale else None,
+    )
+    fig.colorbar(image, ax=ax)
+    ax.set_yticks(range(len(row_labels)), row_labels)
+    stride = max(1, math.ceil(len(steps) / 12))  # at most ~12 step labels
+    ticks = list(range(0, len(steps), stride))
+    ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
+    ax.set_xlabel("step")
+    ax.set_ylabel("block")
+    ax.set_title(title)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()

@@ -1,0 +1,115 @@
+"""Step time of the training loop with telemetry off, at the default interval, and at every step.
+
+The default model (conf model=small: 4 blocks, width 128, batch 32, seq 128) on the CPU, fp32.
+Each variant is a real `normlab.train` run that logs every `interval` steps; a window is the
+`interval` steps between two logged steps, so at the default interval each window holds exactly
+one telemetry step. Windows are timed by wall clock and by this process's CPU time (the latter
+is far less sensitive to other processes when torch runs one thread: `--threads 1`). The machine
+may be shared: the three variants run interleaved, round after round, and every figure is a
+median over all windows of all rounds.
+
+    python scripts/bench_telemetry.py [--rounds 8] [--windows 2] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import torch  # noqa: E402
+
+from normlab.config import RunConfig, TelemetryConfig  # noqa: E402
+from normlab.train import train  # noqa: E402
+
+
+class WindowClock:
+    """A sink that notes the wall and CPU clocks whenever the loop logs a training step."""
+
+    def __init__(self):
+        self.marks: dict[int, tuple[float, float]] = {}
+
+    def log(self, record: dict[str, Any]) -> None:
+        if "loss" in record:
+            self.marks[record["step"]] = (time.perf_counter(), time.process_time())
+
+    def log_table(self, name, columns, rows) -> None:
+        pass
+
+    def log_image(self, name, png) -> None:
+        pass
+
+    def finish(self, summary, exit_code) -> None:
+        pass
+
+    def windows(self, interval: int) -> list[tuple[float, float]]:
+        """(wall, cpu) seconds per step of each window (s - interval, s], for s a positive multiple of interval."""
+        out = []
+        for end in sorted(s for s in self.marks if s > 0 and s % interval == 0):
+            (w0, c0), (w1, c1) = self.marks[end - interval], self.marks[end]
+            out.append(((w1 - w0) / interval, (c1 - c0) / interval))
+        return out
+
+
+def run_variant(every: int, interval: int, windows: int, workdir: str) -> list[tuple[float, float]]:
+    cfg = RunConfig(
+        max_steps=interval * windows + 1,
+        eval_every=0,
+        eval_batches=1,
+        log_every=interval,
+        device="cpu",
+        precision="fp32",
+        progress=False,
+        telemetry=TelemetryConfig(every=every),
+    )
+    cfg.wandb.mode = "disabled"
+    cfg.validate()
+    clock = WindowClock()
+    train(cfg, tempfile.mkdtemp(dir=workdir), sinks=[clock])
+    return clock.windows(interval)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of the three interleaved variants")
+    parser.add_argument("--windows", type=int, default=2, help="timed windows of `interval` steps per run")
+    parser.add_argument("--every", type=int, default=TelemetryConfig().every, help="the default interval")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    variants = {"off": 0, f"every {args.every} (default)": args.every, "every step": 1}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+
+    def medians(name: str) -> tuple[float, float]:
+        return statistics.median(w for w, _ in times[name]), statistics.median(c for _, c in times[name])
+
+    with tempfile.TemporaryDirectory() as workdir:
+        for r in range(args.rounds):
+            for name, every in variants.items():
+                times[name] += run_variant(every, args.every, args.windows, workdir)
+            so_far = ", ".join(f"{n} {1e3 * medians(n)[0]:.0f}/{1e3 * medians(n)[1]:.0f} ms" for n in variants)
+            print(f"round {r + 1}/{args.rounds} (wall/cpu medians so far): {so_far}", file=sys.stderr, flush=True)
+    base_wall, base_cpu = medians("off")
+    print(
+        f"default model (4 blocks, width 128, batch 32 x seq 128), CPU fp32, torch threads {torch.get_num_threads()}, "
+        f"{args.rounds} rounds x {args.windows} windows of {args.every} steps"
+    )
+    print(f"{'telemetry':<22}{'wall/step':>12}{'overhead':>10}{'cpu/step':>12}{'overhead':>10}")
+    for name in variants:
+        wall, cpu = medians(name)
+        print(
+            f"{name:<22}{1e3 * wall:>9.1f} ms{100 * (wall / base_wall - 1):>+9.1f}%"
+            f"{1e3 * cpu:>9.1f} ms{100 * (cpu / base_cpu - 1):>+9.1f}%"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

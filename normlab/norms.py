@@ -55,6 +55,10 @@ class BatchNorm(nn.Module):
 
     In training mode a position's output depends on every other position in the
     batch, later tokens included: it is not causal. Eval mode is.
+
+    `process_group` (None unless `distributed.wrap` sets it for norm.sync=true): in training mode
+    the statistics are then taken over the rows of every process in the group, exactly as one
+    process holding the whole batch would take them, gradients included.
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1, weight: bool = True, bias: bool = True):
@@ -65,6 +69,7 @@ class BatchNorm(nn.Module):
         self.register_buffer("running_mean", torch.zeros(dim))
         self.register_buffer("running_var", torch.ones(dim))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        self.process_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
@@ -72,8 +77,37 @@ class BatchNorm(nn.Module):
         flat = x.reshape(-1, self.dim).float()
         w = None if self.weight is None else self.weight.float()
         b = None if self.bias is None else self.bias.float()
-        y = F.batch_norm(flat, self.running_mean, self.running_var, w, b, self.training, self.momentum, self.eps)
+        if self.training and self.process_group is not None:
+            y = self._global_batch_norm(flat, w, b)
+        else:
+            y = F.batch_norm(flat, self.running_mean, self.running_var, w, b, self.training, self.momentum, self.eps)
         return y.reshape(x.shape).to(x.dtype)
+
+    def _global_batch_norm(self, flat: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        """F.batch_norm's training-mode arithmetic with the sums taken over all ranks.
+
+        Two passes (mean, then squared deviations) rather than E[x²] − μ², which loses precision
+        when |μ| ≫ σ. The all-reduces carry gradients (their backward sums over ranks), so each
+        rank's input gradient includes the other ranks' losses through the shared statistics.
+        """
+        from torch.distributed.nn.functional import all_reduce
+
+        rows = torch.full((1,), flat.shape[0], dtype=flat.dtype, device=flat.device)
+        sums = all_reduce(torch.cat([flat.sum(0), rows]), group=self.process_group)
+        n = sums[-1]
+        mean = sums[:-1] / n
+        centered = flat - mean
+        var = all_reduce((centered * centered).sum(0), group=self.process_group) / n
+        y = centered * torch.rsqrt(var + self.eps)
+        if w is not None:
+            y = y * w
+        if b is not None:
+            y = y + b
+        with torch.no_grad():
+            unbiased = var * (n / (n - 1).clamp(min=1))
+            self.running_mean.lerp_(mean.detach(), self.momentum)
+            self.running_var.lerp_(unbiased.detach(), self.momentum)
+        return y
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, momentum={self.momentum}, affine={self.weight is not None}"

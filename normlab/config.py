@@ -20,6 +20,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "text", "hf")
 WANDB_MODES = ("offline", "online", "disabled")
+RESUME_CHOICES = "choose null (start fresh), auto (the newest checkpoint in the run dir, if any) or a checkpoint path"
 
 
 class ConfigError(ValueError):
@@ -80,6 +81,12 @@ class WandbConfig:
 
 
 @dataclass
+class CkptConfig:
+    every: int = 100  # write a checkpoint every N steps, and always at the end; 0: only at the end
+    keep: int = 1  # newest checkpoints kept in <run dir>/checkpoints
+
+
+@dataclass
 class RunConfig:
     """Everything one run needs. Short top-level keys are the ones users sweep."""
 
@@ -107,10 +114,14 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    resume: str | None = "auto"  # null: start fresh; auto: newest checkpoint in the run dir, if any; or a path
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "RunConfig":
         """Build and validate a RunConfig from a resolved mapping (keys unknown to the schema are kept out)."""
+        if isinstance(raw, Mapping) and isinstance(raw.get("resume"), bool):
+            raise ConfigError(f"resume={raw['resume']}: {RESUME_CHOICES}")
         cfg = _build(cls, raw, prefix="")
         cfg.validate()
         return cfg
@@ -145,6 +156,10 @@ class RunConfig:
         _at_least("eval_batches", self.eval_batches, 1)
         _at_least("log_every", self.log_every, 1)
         _at_least("optim.warmup_steps", self.optim.warmup_steps, 0)
+        _at_least("ckpt.every", self.ckpt.every, 0)
+        _at_least("ckpt.keep", self.ckpt.keep, 1)
+        if self.resume is not None and not self.resume.strip():
+            raise ConfigError(f"resume={self.resume!r}: {RESUME_CHOICES}")
         if not 0.0 <= self.norm.momentum <= 1.0:
             raise ConfigError(f"norm.momentum={self.norm.momentum}: must be between 0 and 1")
         if not 0.0 <= self.optim.min_lr_ratio <= 1.0:

@@ -70,11 +70,25 @@ class MetricsFile:
 class WandbSink:
     """One wandb run per normlab run; offline by default, so no account is needed."""
 
-    def __init__(self, wandb_cfg, run_dir: RunDir, name: str, config: dict[str, Any], tags: list[str]):
+    def __init__(
+        self,
+        wandb_cfg,
+        run_dir: RunDir,
+        name: str,
+        config: dict[str, Any],
+        tags: list[str],
+        run_id: str | None = None,
+        resume: bool = False,
+    ):
+        """`run_id`: the wandb run's id (a resumed normlab run passes its checkpoint's, and `resume=True`)."""
         import wandb
 
         self._wandb = wandb
         self.run = wandb.init(
+            id=run_id,
+            # Online, "allow" continues the run after its last step; offline, wandb 0.31 ignores it and
+            # starts a new offline-run-*-<id> dir, which `wandb sync` appends to the same run id.
+            resume="allow" if resume else None,
             project=wandb_cfg.project,
             entity=wandb_cfg.entity,
             group=wandb_cfg.group,
@@ -94,5 +108,7 @@ class WandbSink:
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
         try:
             self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
+            if summary.get("status") == "preempted":
+                self.run.mark_preempting()
         finally:
             self.run.finish(exit_code=exit_code)

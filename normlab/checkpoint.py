@@ -326,28 +326,31 @@ def run_dir_of(checkpoint: str | os.PathLike) -> Path | None:
     return path.parent.parent if path.parent.name == CHECKPOINT_DIR else None
 
 
-def rewind(run_dir: str | os.PathLike, step: int) -> None:
+def rewind(run_dir: str | os.PathLike, step: int) -> list[dict[str, Any]]:
     """Make `run_dir` look as it did when step `step`'s checkpoint was taken: metrics rows with
-    step >= `step` go (the resumed run measures them again), and so do checkpoints of later steps."""
+    step >= `step` go (the resumed run measures them again), and so do checkpoints of later steps.
+    Returns the rows that remain."""
     run_dir = Path(run_dir)
-    rewind_metrics(run_dir / "metrics.jsonl", step)
+    kept = rewind_metrics(run_dir / "metrics.jsonl", step)
     for later, path in list_checkpoints(run_dir):
         if later > step:
             path.unlink(missing_ok=True)
     for stale in (run_dir / CHECKPOINT_DIR).glob(".step-*.tmp"):
         stale.unlink(missing_ok=True)  # left by a process killed while writing
+    return kept
 
 
-def rewind_metrics(path: Path, first_step: int) -> None:
-    """Drop the rows of metrics.jsonl whose step is >= `first_step`, and a last line torn by a kill.
+def rewind_metrics(path: Path, first_step: int) -> list[dict[str, Any]]:
+    """Drop the rows of metrics.jsonl whose step is >= `first_step`, and a last line torn by a kill;
+    return the rows kept.
 
     The file is replaced atomically (temporary file, flush, rename): a crash leaves either the old
     rows or the kept ones, never fewer.
     """
     if not path.exists():
-        return
+        return []
     lines = path.read_text().splitlines(keepends=True)
-    kept = []
+    kept, rows = [], []
     for number, line in enumerate(lines, start=1):
         try:
             row = json.loads(line)
@@ -357,8 +360,9 @@ def rewind_metrics(path: Path, first_step: int) -> None:
             raise CheckpointError(f"{path}: line {number} is not JSON; repair or remove it before resuming") from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int) or row["step"] < first_step:
             kept.append(line if line.endswith("\n") else line + "\n")
+            rows.append(row)
     if kept == lines:
-        return
+        return rows
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as fh:
         fh.writelines(kept)
@@ -366,6 +370,7 @@ def rewind_metrics(path: Path, first_step: int) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+    return rows
 
 
 def _may_change(key: str) -> bool:

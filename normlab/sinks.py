@@ -78,17 +78,22 @@ class WandbSink:
         config: dict[str, Any],
         tags: list[str],
         run_id: str | None = None,
-        resume: bool = False,
+        history: list[dict[str, Any]] | None = None,
     ):
-        """`run_id`: the wandb run's id (a resumed normlab run passes its checkpoint's, and `resume=True`)."""
+        """`run_id`: the wandb run's id. `history`: when resuming, the records the run already holds.
+
+        A resumed run continues the same id. Online, wandb resumes after the run's last recorded
+        step; offline, wandb 0.31 ignores `resume` and starts a new offline-run-*-<id> dir, which
+        `wandb sync` uploads after the earlier ones as the same run. Either way wandb drops a step
+        lower than one it already has, so the history is replayed from the run's current step
+        (0 offline): steps an earlier, killed process never got to wandb are filled in, none twice.
+        """
         import wandb
 
         self._wandb = wandb
         self.run = wandb.init(
             id=run_id,
-            # Online, "allow" continues the run after its last step; offline, wandb 0.31 ignores it and
-            # starts a new offline-run-*-<id> dir, which `wandb sync` appends to the same run id.
-            resume="allow" if resume else None,
+            resume="allow" if history is not None else None,
             project=wandb_cfg.project,
             entity=wandb_cfg.entity,
             group=wandb_cfg.group,
@@ -100,6 +105,9 @@ class WandbSink:
             reinit="create_new",
             settings=wandb.Settings(silent=True, console="off"),
         )
+        for record in history or []:
+            if record.get("step", -1) >= self.run.step:
+                self.log(record)
 
     def log(self, record: dict[str, Any]) -> None:
         step = record.get("step")

@@ -145,11 +145,12 @@ def evaluate(model: nn.Module, batches, device: torch.device, precision: str) ->
 
 
 def build_sinks(cfg: RunConfig, run_dir: RunDir, name: str, wandb_run_id: str | None = None,
-                resumed: bool = False) -> list[Sink]:
+                history: list[dict[str, Any]] | None = None) -> list[Sink]:
+    """metrics.jsonl and wandb. `history`: the records a resumed run already holds (None: a fresh run)."""
     sinks: list[Sink] = [MetricsFile(run_dir)]
     if cfg.wandb.mode != "disabled":
         tags = [f"norm={cfg.norm.name}", f"placement={cfg.placement}"]
-        sinks.append(WandbSink(cfg.wandb, run_dir, name, cfg.to_dict(), tags, run_id=wandb_run_id, resume=resumed))
+        sinks.append(WandbSink(cfg.wandb, run_dir, name, cfg.to_dict(), tags, run_id=wandb_run_id, history=history))
     return sinks
 
 
@@ -187,8 +188,11 @@ def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None
         checkpointer = Checkpointer(run_dir.path, cfg, wandb_run_id=wandb_run_id, corpus_sha256=corpus.sha256,
                                     world_size=distributed.world_size(), writes=writes)
         if writes:
-            rewind(run_dir.path, resumed.step if resumed else 0)
-            built_sinks = build_sinks(cfg, run_dir, name, wandb_run_id, resumed is not None) if sinks is None else sinks
+            history = rewind(run_dir.path, resumed.step if resumed else 0)
+            if sinks is None:
+                built_sinks = build_sinks(cfg, run_dir, name, wandb_run_id, history if resumed else None)
+            else:
+                built_sinks = sinks
         summary.update(_fit(cfg, corpus, built_sinks, checkpointer, resumed))
         exit_code = 0  # a diverged run is an outcome, not a failure
     except Preempted as stop:

@@ -66,7 +66,8 @@ class SignalAt:
         pass
 
 
-def test_a_signalled_run_checkpoints_at_the_step_boundary_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signalled_run_checkpoints_at_the_step_boundary_and_resumes_exactly(tmp_path, signum):
     whole = _cfg()
     train(whole, tmp_path / "whole")
 
@@ -74,9 +75,9 @@ def test_a_signalled_run_checkpoints_at_the_step_boundary_and_resumes_exactly(tm
     run_dir = RunDir(tmp_path / "cut")
     with preempt.watch():
         with pytest.raises(preempt.Preempted) as stopped:
-            train(cut, run_dir, sinks=[MetricsFile(run_dir), SignalAt(3, signal.SIGUSR1)])
+            train(cut, run_dir, sinks=[MetricsFile(run_dir), SignalAt(3, signum)])
     # Signalled while logging step 3: the update of step 3 completes, then the checkpoint of step 4.
-    assert stopped.value.step == 4 and stopped.value.signum == signal.SIGUSR1
+    assert stopped.value.step == 4 and stopped.value.signum == signum
     assert [s for s, _ in list_checkpoints(run_dir.path)] == [4]
     assert json.loads(run_dir.summary_path.read_text())["status"] == "preempted"
     assert [r["step"] for r in _rows(run_dir.path)] == [0, 2, 3]

@@ -1,6 +1,7 @@
-"""The real command, killed and signalled: SIGKILL after a checkpoint, then resume, must equal the
-uninterrupted run; SIGUSR1 with a handler already installed (as submitit installs one) checkpoints and
-then runs that handler. SIGTERM takes the same path, tested in-process in test_checkpoint.py."""
+"""The real command, killed and signalled. SIGKILL after a checkpoint, then resume, must equal the
+uninterrupted run. Under hydra-submitit-launcher, submitit's own preemption signal reaches normlab first,
+normlab checkpoints, submitit's handler requeues the job, and the job resumes in the same dir to the same
+result. (SIGTERM and SIGUSR1 take the same path: test_checkpoint.py sends them in-process.)"""
 
 import glob
 import json
@@ -76,64 +77,33 @@ def wandb_histories(run_dir):
     return histories
 
 
-WRAPPER = """
-import json, pathlib, signal, sys
-def requeue(signum, frame):  # stands in for submitit's handler: it looks at what normlab saved first
-    saw = sorted(p.name for p in pathlib.Path(sys.argv[-1].split("=", 1)[1], "checkpoints").glob("step-*.pt"))
-    pathlib.Path(sys.argv[-1].split("=", 1)[1] + ".handler.json").write_text(json.dumps(saw))
-    sys.exit(42)
-signal.signal(signal.SIGUSR1, requeue)
-from normlab.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three runs side by side: uninterrupted; SIGKILLed after its first checkpoint, then resumed
-    (resume=auto, the default); sent SIGUSR1 with a previous handler installed."""
+    """Two runs side by side: one uninterrupted, one SIGKILLed after its first checkpoint and then
+    resumed (resume=auto, the default)."""
     root = tmp_path_factory.mktemp("runs")
-    dirs = {name: root / name for name in ("whole", "killed", "signalled")}
+    dirs = {name: root / name for name in ("whole", "killed")}
     whole = start(dirs["whole"], NO_WANDB, cwd=root)
     killed = start(dirs["killed"], "wandb.mode=offline", cwd=root)
-    signalled = subprocess.Popen(
-        [sys.executable, "-c", WRAPPER, "train", *RUN, NO_WANDB, f"hydra.run.dir={dirs['signalled']}"],
-        cwd=root, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
     try:
-        seen = {}
-        metrics = dirs["signalled"] / "metrics.jsonl"
-        # Act on each run as soon as it is ready: SIGKILL after the first checkpoint, SIGUSR1 mid-training.
-        triggers = {
-            killed: (lambda: checkpoints(dirs["killed"]), signal.SIGKILL),
-            signalled: (lambda: metrics.exists() and len(rows(dirs["signalled"])) >= 2, signal.SIGUSR1),
-        }
         deadline = time.monotonic() + 300
-        while triggers:
-            for proc, (ready, signum) in list(triggers.items()):
-                assert proc.poll() is None, f"a run ended before it was interrupted: {proc.stderr.read()[-2000:]}"
-                if ready():
-                    proc.send_signal(signum)
-                    del triggers[proc]
-            assert time.monotonic() < deadline, "timed out waiting for the runs to train"
+        while not checkpoints(dirs["killed"]):
+            assert killed.poll() is None, f"the run ended before its first checkpoint: {killed.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "timed out waiting for the first checkpoint"
             time.sleep(0.005)
+        killed.send_signal(signal.SIGKILL)
         killed.communicate(timeout=60)
-        seen["killed_rc"], seen["killed_rows"] = killed.returncode, rows(dirs["killed"])
-        seen["killed_checkpoints"] = checkpoints(dirs["killed"])
-        seen["killed_summary"] = (dirs["killed"] / "summary.json").exists()
-
-        _, err = signalled.communicate(timeout=120)
-        assert signalled.returncode == 42, err[-2000:]
-        seen["signalled_summary"] = json.loads((dirs["signalled"] / "summary.json").read_text())
-        seen["signalled_rows"] = rows(dirs["signalled"])
-        seen["signalled_checkpoints"] = checkpoints(dirs["signalled"])
-        seen["handler_saw"] = json.loads(Path(str(dirs["signalled"]) + ".handler.json").read_text())
-
+        seen = {
+            "killed_rc": killed.returncode,
+            "killed_rows": rows(dirs["killed"]),
+            "killed_checkpoints": checkpoints(dirs["killed"]),
+            "killed_summary": (dirs["killed"] / "summary.json").exists(),
+        }
         resumed = start(dirs["killed"], "wandb.mode=offline", cwd=root)
         for proc in (whole, resumed):
             finish(proc)
     finally:
-        for proc in (whole, killed, signalled):
+        for proc in (whole, killed):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -171,13 +141,40 @@ def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(run
     assert merged == steps
 
 
-def test_sigusr1_checkpoints_then_runs_the_previous_handler(runs):
-    """A launcher's own handler (submitit's requeue) still runs, after normlab's checkpoint is on disk.
-    (Resuming after a signal is exact: test_checkpoint.py, in-process, for SIGTERM and SIGUSR1.)"""
-    dirs, seen = runs
-    summary = seen["signalled_summary"]
-    assert summary["status"] == "preempted"
-    step = summary["preempted_step"]
-    assert seen["handler_saw"][-1] == f"step-{step:06d}.pt"
-    assert seen["signalled_checkpoints"][-1] == step
-    assert [r["step"] for r in seen["signalled_rows"]] == [r["step"] for r in rows(dirs["whole"]) if r["step"] < step]
+def _submitit_job_pid(folder: Path) -> int | None:
+    """The process submitit's local controller runs the job in (`python -m submitit.core._submit <folder>/...`)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in cmdline and any(str(folder).encode() in part for part in cmdline):
+            return int(proc.name)
+    return None
+
+
+def test_submitit_requeue_after_its_signal_resumes_in_the_same_dir(runs, tmp_path):
+    """hydra-submitit-launcher's local executor: its preemption signal (USR2) reaches normlab first; normlab
+    checkpoints, then submitit's handler requeues the job, which reruns in the same dir and resumes."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    dirs, _ = runs
+    sweeps = tmp_path / "sweeps"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "normlab", "train", "-m", "hydra/launcher=submitit_local", *RUN, NO_WANDB,
+         f"hydra.sweep.dir={sweeps}"],
+        cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    job_dir = sweeps / "0_layer-pre-d2-lr3e-3-s0"
+    deadline = time.monotonic() + 300
+    while not ((job_dir / "metrics.jsonl").exists() and len(rows(job_dir)) >= 2):
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-2000:]
+        time.sleep(0.005)
+    os.kill(_submitit_job_pid(sweeps), signal.SIGUSR2)
+    _, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, err[-3000:]
+    logs = "".join(p.read_text() for p in (sweeps / ".submitit").rglob("*_log.*"))
+    assert "Requeued job" in logs
+    summary = json.loads((job_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and 0 < summary["resumed_from_step"] < 80
+    assert sorted(p.name for p in sweeps.iterdir() if p.is_dir() and not p.name.startswith(".")) == [job_dir.name]
+    assert comparable(rows(job_dir)) == comparable(rows(dirs["whole"]))

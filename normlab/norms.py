@@ -90,14 +90,12 @@ class BatchNorm(nn.Module):
         when |μ| ≫ σ. The all-reduces carry gradients (their backward sums over ranks), so each
         rank's input gradient includes the other ranks' losses through the shared statistics.
         """
-        from torch.distributed.nn.functional import all_reduce
-
         rows = torch.full((1,), flat.shape[0], dtype=flat.dtype, device=flat.device)
-        sums = all_reduce(torch.cat([flat.sum(0), rows]), group=self.process_group)
+        sums = _SumOverRanks.apply(torch.cat([flat.sum(0), rows]), self.process_group)
         n = sums[-1]
         mean = sums[:-1] / n
         centered = flat - mean
-        var = all_reduce((centered * centered).sum(0), group=self.process_group) / n
+        var = _SumOverRanks.apply((centered * centered).sum(0), self.process_group) / n
         y = centered * torch.rsqrt(var + self.eps)
         if w is not None:
             y = y * w
@@ -111,6 +109,28 @@ class BatchNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, momentum={self.momentum}, affine={self.weight is not None}"
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """all_reduce(SUM) that carries gradients: every rank's loss depends on the sum, so the gradient
+    reaching one rank's summand is the sum of every rank's gradient of the sum."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def build_norm(cfg: NormConfig, dim: int) -> nn.Module:

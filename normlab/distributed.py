@@ -1,7 +1,8 @@
 """Training on several processes: `torchrun --nproc_per_node=N -m normlab train ...`.
 
 torchrun starts one process per device and sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT; `init_from_env` joins them into one process group (NCCL on CUDA, gloo on the CPU).
+MASTER_PORT; `init_from_env` joins them into one process group (NCCL for CUDA tensors, gloo for
+CPU tensors, so `device=cpu` works on a GPU machine too).
 Without a process group every helper here acts as for a single process: rank 0 of a world of 1.
 
 - The batch: every rank draws the whole global batch from the shared seeded generator and keeps
@@ -56,7 +57,7 @@ def init_from_env() -> bool:
         return is_active()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+        dist.init_process_group("cpu:gloo,cuda:nccl")
     else:
         dist.init_process_group("gloo")
     return True
@@ -147,7 +148,7 @@ def any_rank(flag: bool) -> bool:
     """True on every rank if it is true on any one: all ranks take the same branch."""
     if not is_active():
         return flag
-    t = torch.tensor([int(flag)], device=_collective_device())
+    t = torch.tensor([int(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -164,6 +165,3 @@ def barrier() -> None:
     if is_active():
         dist.barrier()
 
-
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -161,6 +161,8 @@ def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None
     decides where training starts (see checkpoint.resolve_resume); a checkpoint that does not
     fit raises CheckpointError and leaves `run_dir` untouched. A preemption signal (preempt.py)
     raises Preempted after the checkpoint is saved. Under torchrun only rank 0 writes files.
+    Given `sinks` are used as they are: pass them for a fresh run only, since a resumed run
+    rewinds metrics.jsonl before it opens its own.
     """
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     name = run_name(cfg)

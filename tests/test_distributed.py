@@ -22,6 +22,15 @@ WORLD = 2
 STEPS = 4
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # The ranks train with one thread each; so do the single-process references (and a shared CPU is spared).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -196,12 +205,7 @@ def test_the_real_command_started_rank_by_rank_shares_one_run_dir(tmp_path):
 
     cfg = RunConfig.from_dict(OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=True))
     cfg.wandb.mode = "disabled"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(cfg, tmp_path / "single")
-    finally:
-        torch.set_num_threads(threads)
+    train(cfg, tmp_path / "single")
     for a, b in zip(ddp, _rows(tmp_path / "single")):
         for k in ("loss", "val_loss"):
             if k in b:

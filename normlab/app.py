@@ -21,7 +21,7 @@ from datetime import datetime
 from importlib import resources
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .config import NORMS, PLACEMENTS, ConfigError, format_lr
 
@@ -33,7 +33,7 @@ CONFIG_GROUPS = ("model", "norm", "data", "optim", "experiment")
 
 def register_resolvers(stamp: tuple[float, str] | None = None) -> None:
     """Resolvers the packaged config uses: ${launch_time:FORMAT} and ${uid:} (the launch's time and
-    id, which name its output dirs) and ${lr_label:${lr}}.
+    id, which name its output dirs), ${lr_label:${lr}} and ${run_name:}.
 
     `stamp` = (unix time, id) pins the first two (torchrun ranks pass rank 0's); without it each
     process draws its own once. Both are cached, and Hydra copies the cache into every sweep job
@@ -47,6 +47,23 @@ def register_resolvers(stamp: tuple[float, str] | None = None) -> None:
         )
     if not OmegaConf.has_resolver("lr_label"):
         OmegaConf.register_new_resolver("lr_label", lambda lr: format_lr(float(lr)))
+    if not OmegaConf.has_resolver("run_name"):
+        OmegaConf.register_new_resolver("run_name", _run_name)
+
+
+def _run_name(*, _root_: DictConfig) -> str:
+    """${run_name:}: the job's run name (RunConfig.run_name), so run dirs and wandb runs share it."""
+    from .config import RunConfig
+
+    raw = {
+        key: OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        for key, value in _root_.items()
+        if key != "hydra"  # the hydra node holds the dir being named
+    }
+    try:
+        return RunConfig.from_dict(raw, validate=False).run_name
+    except ConfigError:
+        return "invalid-config"  # the job itself then stops with the one-line error
 
 
 # A submitit job unpickles `_task` from this module and resolves the config there: it needs the resolvers too.
@@ -122,6 +139,71 @@ def _quoted(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The override lists of the jobs a basic-sweeper multirun launches: the cartesian product of the
+    discrete sweeps, as Hydra's BasicSweeper makes it (a later value of a key replaces an earlier one).
+    Keys swept by ranges or intervals, which only a search sweeper expands, are left out."""
+    from itertools import product
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    choices: dict[str, list[str]] = {}
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.get_key_element()
+        if override.is_discrete_sweep():
+            choices[key] = [f"{key}={v}" for v in override.sweep_string_iterator()]
+        elif override.is_sweep_override():
+            choices.pop(key, None)
+        else:
+            choices[key] = [f"{key}={override.get_value_element_as_str()}"]
+    return [list(job) for job in product(*choices.values())]
+
+
+def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> None:
+    """Compose every job the command line asks for and validate its whole config.
+
+    So a combination that makes no sense (placement=deepnorm with norm=none, ...)
+    stops the command before any job runs, instead of aborting a sweep halfway.
+    A multirun's jobs include the sweeps a preset puts in hydra.sweeper.params.
+    Raises ConfigError naming the first bad job. A config Hydra itself cannot
+    compose is left for Hydra to report when it runs.
+    """
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from .config import RunConfig
+
+    # The search path `normlab train` gets: the packaged conf/, then any --config-dir, as Hydra adds it.
+    search_path = create_config_search_path("pkg://" + CONFIG_MODULE)
+    for d in config_dirs:
+        search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
+    try:
+        hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
+        jobs = [list(overrides)]
+        if multirun:
+            sweep_cfg = hydra.compose_config("config", overrides, run_mode=RunMode.MULTIRUN, from_shell=True)
+            params = [f"{k}={v}" for k, v in (sweep_cfg.hydra.sweeper.get("params") or {}).items()]
+            jobs = sweep_jobs(params + list(overrides))
+        for job in jobs:
+            cfg = hydra.compose_config("config", job, run_mode=RunMode.RUN, from_shell=True)
+            with open_dict(cfg):
+                del cfg["hydra"]
+            raw = OmegaConf.to_container(cfg, resolve=True)
+            try:
+                RunConfig.from_dict(raw)
+            except ConfigError as err:
+                raise ConfigError(f"{err} (in the sweep's job {' '.join(job)})" if multirun else str(err)) from None
+    except ConfigError:
+        raise
+    except Exception:
+        return  # Hydra reports what it cannot compose in its own words when it runs
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def run_train(argv: list[str]) -> int:
     """`normlab train ARGS`: run Hydra with ARGS; returns the process exit code."""
     from hydra._internal.utils import get_args_parser
@@ -133,6 +215,7 @@ def run_train(argv: list[str]) -> int:
         config_dirs = [args.config_dir] if args.config_dir else []
         try:
             argv = [*argv, *precheck(args.overrides, config_dirs, multirun=args.multirun)]
+            check_jobs(args.overrides, config_dirs, args.multirun)
         except ConfigError as err:
             return _fail(err)
         except Exception as err:  # Hydra's override grammar: one line is enough

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, get_args, get_origin, get_type_hints
 
-NORMS = ("none", "layer", "rms", "batch")
-PLACEMENTS = ("pre", "post")
+NORMS = ("none", "layer", "rms", "batch", "dyt", "scale", "l2")
+PLACEMENTS = ("pre", "post", "sandwich", "deepnorm", "mix")
 INITS = ("normal", "xavier")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -33,10 +33,30 @@ class NormConfig:
 
     name: str = "layer"
     eps: float = 1e-5
-    weight: bool = True  # learnable gain (γ / w)
-    bias: bool = True  # learnable shift (β); LayerNorm and BatchNorm only
+    weight: bool = True  # learnable gain (γ / w); LayerNorm, RMSNorm, BatchNorm, DyT
+    bias: bool = True  # learnable shift (β); LayerNorm, BatchNorm, DyT
     momentum: float = 0.1  # BatchNorm running-statistics momentum
     sync: bool = True  # BatchNorm under DDP: statistics over the global batch
+    causal: bool = False  # BatchNorm: statistics per position over the batch, never across time
+    alpha_attn: float = 0.5  # DyT: initial α of the attention norms (and of QK-norm)
+    alpha_mlp: float = 0.5  # DyT: initial α of the MLP norms
+    alpha_final: float = 0.5  # DyT: initial α of the final norm before the head
+
+    @property
+    def label(self) -> str:
+        """The norm as a group option names it: 'rms', 'rms_noweight', 'layer_nobias', 'batch_causal'.
+
+        Structural knobs that are switched off show in the label, so two arms that
+        differ in them never share a run name.
+        """
+        label = self.name
+        if not self.weight and self.name in ("layer", "rms", "batch", "dyt"):
+            label += "_noweight"
+        if not self.bias and self.name in ("layer", "batch", "dyt"):
+            label += "_nobias"
+        if self.causal and self.name == "batch":
+            label += "_causal"
+        return label
 
 
 @dataclass
@@ -93,6 +113,8 @@ class RunConfig:
     name: str = "run"
     norm: NormConfig = field(default_factory=NormConfig)
     placement: str = "pre"
+    mix_p: float = 0.25  # placement=mix: the first ⌊mix_p·depth⌋ blocks are post-norm, the rest pre-norm
+    qk_norm: bool = False  # a per-head norm on queries and keys, whatever the placement
     depth: int = 4
     lr: float = 1e-3
     init: str = "normal"
@@ -118,12 +140,16 @@ class RunConfig:
     resume: str | None = "auto"  # null: start fresh; auto: newest checkpoint in the run dir, if any; or a path
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "RunConfig":
-        """Build and validate a RunConfig from a resolved mapping (keys unknown to the schema are kept out)."""
+    def from_dict(cls, raw: Mapping[str, Any], validate: bool = True) -> "RunConfig":
+        """Build (and unless told not to, validate) a RunConfig from a resolved mapping.
+
+        Keys unknown to the schema are kept out; values of the wrong type raise ConfigError either way.
+        """
         if isinstance(raw, Mapping) and isinstance(raw.get("resume"), bool):
             raise ConfigError(f"resume={raw['resume']}: {RESUME_CHOICES}")
         cfg = _build(cls, raw, prefix="")
-        cfg.validate()
+        if validate:
+            cfg.validate()
         return cfg
 
     def to_dict(self) -> dict:
@@ -132,6 +158,29 @@ class RunConfig:
     @property
     def micro_batch_size(self) -> int:
         return self.batch_size // self.grad_accum
+
+    @property
+    def label(self) -> str:
+        """The arm: norm label, placement (with p for mix) and '-qk' under QK-norm, e.g. 'dyt-mix0.25-qk'."""
+        placement = f"mix{self.mix_p:g}" if self.placement == "mix" else self.placement
+        return f"{self.norm.label}-{placement}" + ("-qk" if self.qk_norm else "")
+
+    @property
+    def run_name(self) -> str:
+        """A readable run name, e.g. 'rms-pre-d6-lr1e-3-s0'."""
+        return f"{self.label}-d{self.depth}-lr{format_lr(self.lr)}-s{self.seed}"
+
+    def qk_norm_config(self) -> NormConfig | None:
+        """The norm QK-norm puts on each head's queries and keys, or None without QK-norm.
+
+        It is the run's norm type, except under norm=none, which has no norm to
+        apply: then it is RMSNorm with the run's eps (qk_norm=true asks for a norm).
+        """
+        if not self.qk_norm:
+            return None
+        if self.norm.name == "none":
+            return dataclasses.replace(self.norm, name="rms", weight=True)
+        return self.norm
 
     def validate(self) -> None:
         _choice("norm.name", self.norm.name, NORMS)
@@ -160,6 +209,10 @@ class RunConfig:
         _at_least("ckpt.keep", self.ckpt.keep, 1)
         if self.resume is not None and not self.resume.strip():
             raise ConfigError(f"resume={self.resume!r}: {RESUME_CHOICES}")
+        for key in ("alpha_attn", "alpha_mlp", "alpha_final"):
+            _positive(f"norm.{key}", getattr(self.norm, key))
+        if not 0.0 <= self.mix_p <= 1.0:
+            raise ConfigError(f"mix_p={self.mix_p}: must be between 0 and 1 (the fraction of post-norm blocks)")
         if not 0.0 <= self.norm.momentum <= 1.0:
             raise ConfigError(f"norm.momentum={self.norm.momentum}: must be between 0 and 1")
         if not 0.0 <= self.optim.min_lr_ratio <= 1.0:
@@ -187,10 +240,41 @@ class RunConfig:
                 f"seq_len={self.seq_len} is larger than the model's context (model.context={self.model.context}): "
                 "lower seq_len or raise model.context"
             )
+        self._validate_combination()
         if self.data.source == "text" and not self.data.files:
             raise ConfigError("data.files is empty: data=text needs data.files=[path, ...]")
         if self.data.source == "hf" and not self.data.name:
             raise ConfigError("data.name is not set: data=hf needs data.name=<hub dataset name>")
+
+    def _validate_combination(self) -> None:
+        """Reject norm × placement × QK-norm combinations that make no sense, saying why."""
+        norm = self.norm.name
+        if self.placement == "deepnorm" and norm == "none":
+            raise ConfigError(
+                "placement=deepnorm with norm=none: DeepNorm up-weights the residual by α=(2N)^(1/4) in every "
+                "sublayer and relies on the norm after each add to undo it; choose a norm, or placement=post"
+            )
+        if self.qk_norm and norm == "batch":
+            raise ConfigError(
+                "qk_norm=true with norm=batch: BatchNorm is not a per-token norm, so it has no per-head form "
+                "for queries and keys; use a per-token norm (layer, rms, dyt, scale) or qk_norm=false"
+            )
+        if self.qk_norm and norm == "l2":
+            raise ConfigError(
+                "qk_norm=true with norm=l2: unit-length queries and keys with no learnable gain bound every "
+                "attention logit by 1/sqrt(head_dim), so attention cannot sharpen; use norm=scale (L2 with a "
+                "learnable gain) or qk_norm=false"
+            )
+        if norm == "batch":
+            # Each statistic needs at least two values: over the micro-batch at one position when
+            # causal, over micro-batch × time otherwise.
+            values = self.micro_batch_size * (1 if self.norm.causal else self.seq_len)
+            if values < 2:
+                where = "per position, over the micro-batch" if self.norm.causal else "over micro-batch × time"
+                raise ConfigError(
+                    f"norm={self.norm.label} takes its statistics {where}, which holds {values} value here: "
+                    "raise batch_size/grad_accum (the micro-batch size) to at least 2"
+                )
 
 
 def _choice(key: str, value: Any, allowed: tuple) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import ConfigError, RunConfig
-from .norms import BatchNorm
+from .norms import BatchNorm, CausalBatchNorm
 
 
 def is_active() -> bool:
@@ -118,7 +118,7 @@ def wrap(model: nn.Module, device: torch.device, sync_batchnorm: bool) -> nn.Mod
         return model
     if sync_batchnorm:
         for module in model.modules():
-            if isinstance(module, BatchNorm):
+            if isinstance(module, (BatchNorm, CausalBatchNorm)):
                 module.process_group = dist.group.WORLD
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 

@@ -5,9 +5,13 @@ A placement is nothing but which norm slots around a sublayer f are filled:
     pre slot      branch slot        post slot
     x ──► Norm ──► f ──► Norm_out ──► (+ α·x) ──► Norm ──► x'
 
-`pre` fills the pre slot, `post` the post slot. Module names are stable across
-arms (`blocks.3.norm1`, `blocks.3.attn`, `blocks.3.mlp`, `norm_f`); an unused
-slot holds `nn.Identity`. The model knows nothing of Hydra, wandb or telemetry.
+`pre` fills the pre slot, `post` the post slot, `sandwich` the pre and branch
+slots, `deepnorm` the post slot with α = (2N)^(1/4), and `mix` the post slot in
+its first ⌊pN⌋ blocks and the pre slot in the rest. QK-norm is orthogonal: a
+per-head norm on queries and keys (`attn.q_norm`, `attn.k_norm`). Module names
+are stable across arms (`blocks.3.norm1`, `blocks.3.norm1_out`, `blocks.3.attn`,
+`blocks.3.mlp`, `norm_f`); an unused slot holds `nn.Identity`. The model knows
+nothing of Hydra, wandb or telemetry.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import RunConfig
+from .config import NormConfig, RunConfig
 from .norms import build_norm
 
 
@@ -30,31 +34,59 @@ class Slots:
     pre: bool
     post: bool
     alpha: float = 1.0
+    branch: bool = False  # a norm on the sublayer's output, before the residual add (sandwich)
 
 
-def block_slots(placement: str, layer: int, depth: int) -> Slots:
-    """The slots that `placement` fills in block `layer` of a `depth`-block model."""
+def deepnorm_alpha(depth: int) -> float:
+    """DeepNorm's residual scale for a decoder-only model of `depth` blocks: (2N)^(1/4) (Wang et al. 2022)."""
+    return (2 * depth) ** 0.25
+
+
+def deepnorm_beta(depth: int) -> float:
+    """DeepNorm's init gain for the MLP and the attention value and output projections: (8N)^(-1/4)."""
+    return (8 * depth) ** -0.25
+
+
+def mix_post_blocks(depth: int, p: float) -> int:
+    """Mix-LN's number of leading post-norm blocks, ⌊p·depth⌋ (tolerant of float error such as 0.29·100)."""
+    return math.floor(p * depth + 1e-9)
+
+
+def block_slots(placement: str, layer: int, depth: int, mix_p: float = 0.25) -> Slots:
+    """The slots that `placement` fills in block `layer` (0-based) of a `depth`-block model."""
     if placement == "pre":
         return Slots(pre=True, post=False)
     if placement == "post":
         return Slots(pre=False, post=True)
+    if placement == "sandwich":
+        return Slots(pre=True, post=False, branch=True)
+    if placement == "deepnorm":
+        return Slots(pre=False, post=True, alpha=deepnorm_alpha(depth))
+    if placement == "mix":
+        post = layer < mix_post_blocks(depth, mix_p)
+        return Slots(pre=not post, post=post)
     raise ValueError(f"unknown placement {placement!r}")
 
 
-def has_final_norm(placement: str) -> bool:
-    """Pre-norm residual streams are never normalized inside the blocks, so they need one before the head."""
-    return placement != "post"
+def has_final_norm(placement: str, depth: int = 1, mix_p: float = 0.25) -> bool:
+    """A residual stream the last block leaves unnormalized needs a norm before the head.
+
+    True for pre, sandwich and mix with a pre-norm last block; False for post and deepnorm.
+    """
+    return not block_slots(placement, depth - 1, depth, mix_p).post
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_head: int, bias: bool):
+    def __init__(self, d_model: int, n_head: int, bias: bool, qk_norm: NormConfig | None = None):
         super().__init__()
         self.n_head = n_head
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
-        # Per-head query/key norms (QK-norm); identities unless enabled, so the module tree never changes.
-        self.q_norm: nn.Module = nn.Identity()
-        self.k_norm: nn.Module = nn.Identity()
+        # Per-head query/key norms over head_dim, one module shared by all heads (QK-norm);
+        # identities unless enabled, so the module tree never changes.
+        head_dim = d_model // n_head
+        self.q_norm: nn.Module = build_norm(qk_norm, head_dim, "attn") if qk_norm else nn.Identity()
+        self.k_norm: nn.Module = build_norm(qk_norm, head_dim, "attn") if qk_norm else nn.Identity()
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of shape (B, n_head, T, head_dim), after any QK-norm."""
@@ -84,16 +116,21 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: RunConfig, slots: Slots):
         super().__init__()
-        d = cfg.model.d_model
+        d, positions = cfg.model.d_model, cfg.model.context
         self.slots = slots
-        self.norm1 = build_norm(cfg.norm, d)
-        self.attn = CausalSelfAttention(d, cfg.model.n_head, cfg.model.bias)
-        self.norm1_out: nn.Module = nn.Identity()
-        self.norm2 = build_norm(cfg.norm, d)
+        self.norm1 = build_norm(cfg.norm, d, "attn", positions)
+        self.attn = CausalSelfAttention(d, cfg.model.n_head, cfg.model.bias, cfg.qk_norm_config())
+        self.norm1_out = build_norm(cfg.norm, d, "attn", positions) if slots.branch else nn.Identity()
+        self.norm2 = build_norm(cfg.norm, d, "mlp", positions)
         self.mlp = MLP(d, cfg.model.mlp_ratio, cfg.model.bias)
-        self.norm2_out: nn.Module = nn.Identity()
+        self.norm2_out = build_norm(cfg.norm, d, "mlp", positions) if slots.branch else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Per sublayer f (attention, then MLP), with unfilled slots the identity:
+
+        x ──┬─► [norm, pre slot] ─► f ─► [norm_out, branch slot] ─► (+) ─► [norm, post slot] ─► x'
+            └─────────────────────── α · x ─────────────────────────┘
+        """
         x = self._sublayer(x, self.norm1, self.attn, self.norm1_out)
         return self._sublayer(x, self.norm2, self.mlp, self.norm2_out)
 
@@ -111,12 +148,14 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(m.vocab_size, m.d_model)
         self.pos_emb = nn.Embedding(m.context, m.d_model)
         self.blocks = nn.ModuleList(
-            Block(cfg, block_slots(cfg.placement, i, cfg.depth)) for i in range(cfg.depth)
+            Block(cfg, block_slots(cfg.placement, i, cfg.depth, cfg.mix_p)) for i in range(cfg.depth)
         )
-        self.norm_f = build_norm(cfg.norm, m.d_model) if has_final_norm(cfg.placement) else nn.Identity()
+        final = has_final_norm(cfg.placement, cfg.depth, cfg.mix_p)
+        self.norm_f = build_norm(cfg.norm, m.d_model, "final", m.context) if final else nn.Identity()
         self.head = nn.Linear(m.d_model, m.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied output head
-        init_weights(self, cfg.init, cfg.depth)
+        beta = deepnorm_beta(cfg.depth) if cfg.placement == "deepnorm" else 1.0
+        init_weights(self, cfg.init, cfg.depth, beta)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits of shape (B, T, vocab) for token ids `idx` of shape (B, T)."""
@@ -133,9 +172,14 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def init_weights(model: GPT, scheme: str, depth: int) -> None:
+def init_weights(model: GPT, scheme: str, depth: int, beta: float = 1.0) -> None:
     """`normal`: GPT-2's N(0, 0.02), residual output projections scaled by 1/sqrt(2·depth).
-    `xavier`: Xavier-uniform linear weights and zero biases (Xiong et al. 2020), embeddings N(0, d^-1/2)."""
+    `xavier`: Xavier-uniform linear weights and zero biases (Xiong et al. 2020), embeddings N(0, d^-1/2).
+
+    `beta` then multiplies the weights of the MLP (fc, proj) and of the attention value
+    and output projections (the v rows of the fused qkv, and proj), not queries or keys:
+    DeepNorm's β on top of either scheme, so deepnorm differs from post by α and β alone.
+    """
     d = model.tok_emb.embedding_dim
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
@@ -154,3 +198,10 @@ def init_weights(model: GPT, scheme: str, depth: int) -> None:
         elif isinstance(module, nn.Embedding):
             std = 0.02 if scheme == "normal" else d**-0.5
             nn.init.normal_(module.weight, mean=0.0, std=std)
+    if beta != 1.0:
+        with torch.no_grad():
+            for block in model.blocks:
+                C = block.attn.proj.in_features
+                block.attn.qkv.weight[2 * C :].mul_(beta)  # the value rows of [q; k; v]
+                for linear in (block.attn.proj, block.mlp.fc, block.mlp.proj):
+                    linear.weight.mul_(beta)

@@ -26,7 +26,7 @@ from torch import nn
 
 from . import distributed
 from .checkpoint import Checkpoint, CheckpointError, Checkpointer, GeneratorState, resolve_resume, rewind
-from .config import RunConfig, format_lr
+from .config import RunConfig
 from .data import Corpus, eval_batches, load_corpus, sample_batch
 from .model import GPT
 from .preempt import Preempted, requested
@@ -34,8 +34,8 @@ from .sinks import MetricsFile, RunDir, Sink, WandbSink
 
 
 def run_name(cfg: RunConfig) -> str:
-    """A readable run name, e.g. 'rms-pre-d6-lr1e-3-s0'."""
-    return f"{cfg.norm.name}-{cfg.placement}-d{cfg.depth}-lr{format_lr(cfg.lr)}-s{cfg.seed}"
+    """A readable run name, e.g. 'rms-pre-d6-lr1e-3-s0' or 'layer_nobias-mix0.25-qk-d4-lr1e-3-s0'."""
+    return cfg.run_name
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
@@ -149,7 +149,7 @@ def build_sinks(cfg: RunConfig, run_dir: RunDir, name: str, wandb_run_id: str | 
     """metrics.jsonl and wandb. `history`: the records a resumed run already holds (None: a fresh run)."""
     sinks: list[Sink] = [MetricsFile(run_dir)]
     if cfg.wandb.mode != "disabled":
-        tags = [f"norm={cfg.norm.name}", f"placement={cfg.placement}"]
+        tags = [f"norm={cfg.norm.label}", f"placement={cfg.placement}", f"qk_norm={str(cfg.qk_norm).lower()}"]
         sinks.append(WandbSink(cfg.wandb, run_dir, name, cfg.to_dict(), tags, run_id=wandb_run_id, history=history))
     return sinks
 
@@ -171,8 +171,9 @@ def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None
     resumed = resolve_resume(cfg, run_dir.path)
     summary: dict[str, Any] = {
         "name": name,
-        "norm": cfg.norm.name,
+        "norm": cfg.norm.label,
         "placement": cfg.placement,
+        "qk_norm": cfg.qk_norm,
         "depth": cfg.depth,
         "lr": cfg.lr,
         "seed": cfg.seed,

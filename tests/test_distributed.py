@@ -38,9 +38,9 @@ def free_port() -> int:
 
 
 def loop_configs() -> dict[str, RunConfig]:
-    def cfg(norm, placement="pre", grad_accum=2, sync=True):
+    def cfg(norm, placement="pre", grad_accum=2, sync=True, causal=False):
         c = tiny_config(norm, placement, grad_accum=grad_accum, max_steps=STEPS, eval_every=2, log_every=1)
-        c.norm.sync = sync
+        c.norm.sync, c.norm.causal = sync, causal
         c.wandb.mode = "disabled"
         c.ckpt.every = 0
         return c
@@ -50,6 +50,7 @@ def loop_configs() -> dict[str, RunConfig]:
         "rms": cfg("rms", "post"),
         "none_accum1": cfg("none", grad_accum=1),
         "batch_sync": cfg("batch", "post"),
+        "batch_causal_sync": cfg("batch", causal=True),
         "batch_local": cfg("batch", "post", sync=False),
     }
 

@@ -1,21 +1,43 @@
 """The GPT: module names, placements, tied head, and causal evaluation for every norm × placement."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from conftest import tiny_config
-from normlab.config import NORMS, PLACEMENTS
-from normlab.model import GPT
-from normlab.norms import LayerNorm
+from normlab.config import NORMS, PLACEMENTS, ConfigError, NormConfig
+from normlab.model import GPT, block_slots, deepnorm_alpha, deepnorm_beta, has_final_norm, mix_post_blocks
+from normlab.norms import CausalBatchNorm, DyT, L2Norm, LayerNorm, RMSNorm, ScaleNorm
+
+# Every norm, with BatchNorm's causal option as one more.
+NORM_ARMS = [*NORMS, "batch_causal"]
 
 
-@pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("placement", PLACEMENTS)
+def arm_config(norm: str, placement: str = "pre", **overrides):
+    """tiny_config for a norm arm ('batch_causal' = norm=batch norm.causal=true); None if validation rejects it."""
+    try:
+        cfg = tiny_config(norm.removesuffix("_causal"), placement, **overrides)
+        cfg.norm.causal = norm.endswith("_causal")
+        cfg.validate()
+    except ConfigError:
+        return None
+    return cfg
+
+
+VALID_ARMS = [(n, p) for n in NORM_ARMS for p in PLACEMENTS if arm_config(n, p) is not None]
+
+
+def test_only_deepnorm_without_a_norm_is_left_out():
+    assert set(VALID_ARMS) == {(n, p) for n in NORM_ARMS for p in PLACEMENTS} - {("none", "deepnorm")}
+
+
+@pytest.mark.parametrize("norm,placement", VALID_ARMS)
 def test_eval_mode_is_causal(norm, placement):
     torch.manual_seed(0)
-    model = GPT(tiny_config(norm, placement))
-    if norm == "batch":  # give the running statistics non-trivial values first
+    model = GPT(arm_config(norm, placement))
+    if norm.startswith("batch"):  # give the running statistics non-trivial values first
         model.train()
         model(torch.randint(0, 256, (8, 16)))
     model.eval()
@@ -30,27 +52,54 @@ def test_eval_mode_is_causal(norm, placement):
     assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])  # the change did reach later positions
 
 
-def test_batch_norm_training_mode_sees_the_future():
-    """The caveat the README states: in training mode BatchNorm's batch × time statistics leak."""
-    torch.manual_seed(0)
-    model = GPT(tiny_config("batch", "pre")).train()
-    idx = torch.randint(0, 256, (3, 16))
+def training_mode_leak(model: GPT, t: int) -> tuple[float, float]:
+    """In training mode, change every token after position t; return the largest change in the logits
+    at positions ≤ t (the leak) and after t (showing the change reached the model)."""
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 256, (4, 16), generator=gen)
     changed = idx.clone()
-    changed[:, 10:] = (changed[:, 10:] + 1) % 256
+    changed[:, t + 1 :] = (changed[:, t + 1 :] + 1 + torch.randint(0, 255, (4, 16 - t - 1), generator=gen)) % 256
+    model.train()
     with torch.no_grad():
         a, b = model(idx), model(changed)
-    assert (a[:, :10] - b[:, :10]).abs().max() > 1e-4
+    return (a[:, : t + 1] - b[:, : t + 1]).abs().max().item(), (a[:, t + 1 :] - b[:, t + 1 :]).abs().max().item()
+
+
+@pytest.mark.parametrize("norm,placement", VALID_ARMS)
+def test_training_mode_leak_is_measured_nonzero_for_batch_norm_only(norm, placement):
+    """BatchNorm's batch × time statistics carry later tokens into earlier positions in training mode;
+    per-token norms and causal BatchNorm (per-position statistics) leave the logits at ≤ t exactly unchanged."""
+    torch.manual_seed(0)
+    leak, downstream = training_mode_leak(GPT(arm_config(norm, placement)), t=9)
+    assert downstream > 1e-3
+    if norm == "batch":
+        assert leak > 1e-4, f"BatchNorm training-mode leak {leak:.2e}"
+    else:
+        assert leak == 0.0, f"{norm}-{placement} leaks {leak:.2e} in training mode"
 
 
 def test_module_names_are_stable_across_arms():
     names = {}
-    for norm in NORMS:
-        for placement in PLACEMENTS:
-            model = GPT(tiny_config(norm, placement))
-            names[norm, placement] = {n for n, _ in model.named_modules()}
+    for norm, placement in VALID_ARMS:
+        for qk_norm in (False, True):
+            cfg = arm_config(norm, placement, qk_norm=qk_norm)
+            if cfg is not None:
+                names[norm, placement, qk_norm] = {n for n, _ in GPT(cfg).named_modules()}
+    assert len(names) == 2 * len(VALID_ARMS) - 3 * len(PLACEMENTS)  # no QK-norm for batch, batch_causal, l2
     first = next(iter(names.values()))
     assert all(n == first for n in names.values())
-    for expected in ("blocks.1.attn", "blocks.1.mlp", "blocks.1.norm1", "blocks.1.norm2", "norm_f", "tok_emb"):
+    for expected in (
+        "blocks.1.attn",
+        "blocks.1.mlp",
+        "blocks.1.norm1",
+        "blocks.1.norm1_out",
+        "blocks.1.norm2",
+        "blocks.1.norm2_out",
+        "blocks.1.attn.q_norm",
+        "blocks.1.attn.k_norm",
+        "norm_f",
+        "tok_emb",
+    ):
         assert expected in first
 
 
@@ -95,3 +144,137 @@ def test_head_is_tied_and_init_schemes_differ():
     w = xavier.blocks[0].mlp.fc.weight
     assert w.abs().max() <= bound and w.abs().max() > 0.9 * bound
     assert torch.count_nonzero(xavier.blocks[0].mlp.fc.bias) == 0
+
+
+# ---------------------------------------------------------------- sandwich, deepnorm, mix
+
+
+def test_sandwich_block_by_hand():
+    """x ← x + Norm_out(f(Norm_in(x))) per sublayer, with separate in and out norms, and a final norm."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config("rms", "sandwich"))
+    block = model.blocks[0]
+    assert isinstance(block.norm1_out, RMSNorm) and isinstance(block.norm2_out, RMSNorm)
+    assert block.norm1_out is not block.norm1 and isinstance(model.norm_f, RMSNorm)
+    with torch.no_grad():  # distinct gains, so swapping the in and out norms would show
+        for i, norm in enumerate((block.norm1, block.norm1_out, block.norm2, block.norm2_out)):
+            norm.weight.copy_(torch.linspace(0.5, 2.0, 32) * (i + 1))
+    x = torch.randn(2, 16, 32)
+    h = x + block.norm1_out(block.attn(block.norm1(x)))
+    expected = h + block.norm2_out(block.mlp(block.norm2(h)))
+    torch.testing.assert_close(block(x), expected)
+    assert not torch.allclose(block(x), GPT(tiny_config("rms", "pre")).blocks[0](x))
+
+
+def test_deepnorm_block_by_hand():
+    """x ← Norm(α·x + f(x)) with α = (2N)^(1/4), N the number of blocks; no final norm."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config("layer", "deepnorm", depth=3))
+    block = model.blocks[1]
+    alpha = (2 * 3) ** 0.25
+    assert block.slots.alpha == pytest.approx(alpha) and deepnorm_alpha(3) == pytest.approx(alpha)
+    assert isinstance(model.norm_f, nn.Identity) and isinstance(block.norm1_out, nn.Identity)
+    x = torch.randn(2, 16, 32) * 3
+    h = block.norm1(alpha * x + block.attn(x))
+    expected = block.norm2(alpha * h + block.mlp(h))
+    torch.testing.assert_close(block(x), expected)
+
+
+@pytest.mark.parametrize("init", ["normal", "xavier"])
+def test_deepnorm_init_scales_value_output_and_mlp_weights_by_beta(init):
+    """DeepNorm's β = (8N)^(-1/4) multiplies the init of v, the attention output and both MLP
+    weights, on top of the scheme; q and k are left as the scheme makes them."""
+    depth = 3
+    beta = (8 * depth) ** -0.25
+    assert deepnorm_beta(depth) == pytest.approx(beta)
+    torch.manual_seed(0)
+    post = GPT(tiny_config("layer", "post", depth=depth, init=init))
+    torch.manual_seed(0)
+    deep = GPT(tiny_config("layer", "deepnorm", depth=depth, init=init))
+    C = 32
+    for bp, bd in zip(post.blocks, deep.blocks):
+        torch.testing.assert_close(bd.attn.qkv.weight[: 2 * C], bp.attn.qkv.weight[: 2 * C], rtol=0, atol=0)
+        torch.testing.assert_close(bd.attn.qkv.weight[2 * C :], beta * bp.attn.qkv.weight[2 * C :])
+        for name in ("attn.proj", "mlp.fc", "mlp.proj"):
+            wd, wp = bd.get_submodule(name).weight, bp.get_submodule(name).weight
+            torch.testing.assert_close(wd, beta * wp)
+    torch.testing.assert_close(deep.tok_emb.weight, post.tok_emb.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "depth,p,n_post", [(8, 0.25, 2), (4, 0.25, 1), (3, 0.25, 0), (6, 0.5, 3), (5, 0.0, 0), (5, 1.0, 5), (100, 0.29, 29)]
+)
+def test_mix_is_post_for_the_first_floor_pL_blocks_then_pre(depth, p, n_post):
+    assert mix_post_blocks(depth, p) == n_post
+    slots = [block_slots("mix", i, depth, p) for i in range(depth)]
+    assert [s.post for s in slots] == [True] * n_post + [False] * (depth - n_post)
+    assert all(s.pre != s.post and s.alpha == 1.0 and not s.branch for s in slots)
+    assert has_final_norm("mix", depth, p) == (n_post < depth)  # the last block is pre-norm
+
+
+def test_mix_model_normalizes_after_the_early_blocks_and_before_the_late_ones():
+    torch.manual_seed(0)
+    model = GPT(tiny_config("layer", "mix", depth=4, mix_p=0.5))
+    assert [b.slots.post for b in model.blocks] == [True, True, False, False]
+    assert isinstance(model.norm_f, LayerNorm)
+    assert isinstance(GPT(tiny_config("layer", "mix", depth=4, mix_p=1.0)).norm_f, nn.Identity)
+
+
+def test_final_norm_follows_from_the_last_block():
+    assert has_final_norm("pre") and has_final_norm("sandwich") and has_final_norm("mix", 4, 0.25)
+    assert not has_final_norm("post") and not has_final_norm("deepnorm", 4)
+
+
+# ---------------------------------------------------------------- QK-norm
+
+
+@pytest.mark.parametrize(
+    "norm,expected", [("layer", LayerNorm), ("rms", RMSNorm), ("dyt", DyT), ("scale", ScaleNorm), ("none", RMSNorm)]
+)
+def test_qk_norm_normalizes_each_head_with_the_norm_type(norm, expected):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(norm, "pre", qk_norm=True))
+    attn = model.blocks[0].attn
+    assert isinstance(attn.q_norm, expected) and isinstance(attn.k_norm, expected)
+    assert attn.q_norm is not attn.k_norm
+    head_dim = 16
+    if hasattr(attn.q_norm, "weight") and attn.q_norm.weight is not None:
+        assert attn.q_norm.weight.shape == (head_dim,)  # per head, over head_dim, shared by the heads
+    x = torch.randn(2, 5, 32)
+    q, k, v = attn.heads(x)
+    raw = attn.qkv(x).view(2, 5, 3, 2, head_dim).permute(2, 0, 3, 1, 4)  # (q|k|v, B, head, T, head_dim)
+    torch.testing.assert_close(q, attn.q_norm(raw[0]))
+    torch.testing.assert_close(k, attn.k_norm(raw[1]))
+    torch.testing.assert_close(v, raw[2])
+    if norm in ("layer", "rms", "none"):  # each head's query is normalized over its own head_dim
+        rms = q.pow(2).mean(-1).sqrt()
+        torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-3, atol=1e-3)
+
+
+def test_qk_norm_off_leaves_queries_and_keys_alone():
+    attn = GPT(tiny_config("layer", "pre")).blocks[0].attn
+    assert isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)
+
+
+def test_dyt_alpha_initial_values_follow_the_slot():
+    cfg = tiny_config("dyt", "sandwich", qk_norm=True)
+    cfg.norm = NormConfig(name="dyt", alpha_attn=0.9, alpha_mlp=0.3, alpha_final=0.1)
+    model = GPT(cfg)
+    block = model.blocks[1]
+    for module, alpha in [
+        (block.norm1, 0.9),
+        (block.norm1_out, 0.9),
+        (block.attn.q_norm, 0.9),
+        (block.attn.k_norm, 0.9),
+        (block.norm2, 0.3),
+        (block.norm2_out, 0.3),
+        (model.norm_f, 0.1),
+    ]:
+        assert isinstance(module, DyT) and module.alpha.item() == pytest.approx(alpha)
+
+
+def test_causal_batch_norm_keeps_statistics_for_every_position_of_the_context():
+    model = GPT(arm_config("batch_causal", "pre"))
+    assert isinstance(model.blocks[0].norm1, CausalBatchNorm)
+    assert model.blocks[0].norm1.running_mean.shape == (32, 32)  # model.context × d_model
+    assert isinstance(GPT(tiny_config("l2", "post")).blocks[0].norm1, L2Norm)

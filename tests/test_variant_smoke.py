@@ -1,0 +1,83 @@
+"""Every norm and placement variant through the real `normlab train` command: one multirun subprocess."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from normlab.config import RunConfig
+from normlab.model import GPT
+
+# One job per arm, together covering every new norm option, placement, and QK-norm:
+# arm -> (norm option, top-level keys, expected run label).
+ARMS = {
+    "dyt_mix_qk": ("dyt", {"placement": "mix", "mix_p": 0.5, "qk_norm": True}, "dyt-mix0.5-qk"),
+    "scale_deepnorm_qk": ("scale", {"placement": "deepnorm", "qk_norm": True}, "scale-deepnorm-qk"),
+    "l2_sandwich": ("l2", {"placement": "sandwich"}, "l2-sandwich"),
+    "rms_noweight_post": ("rms_noweight", {"placement": "post"}, "rms_noweight-post"),
+    "layer_noweight_deepnorm": ("layer_noweight", {"placement": "deepnorm"}, "layer_noweight-deepnorm"),
+    "layer_nobias_sandwich_qk": ("layer_nobias", {"placement": "sandwich", "qk_norm": True}, "layer_nobias-sandwich-qk"),
+    "batch_causal_mix": ("batch_causal", {"placement": "mix", "mix_p": 0.5}, "batch_causal-mix0.5"),
+    "none_pre_qk": ("none", {"placement": "pre", "qk_norm": True}, "none-pre-qk"),
+}
+
+
+def write_arm_group(conf_dir: Path) -> None:
+    """A config group `arm` whose options each pick a norm option and set placement keys."""
+    (conf_dir / "arm").mkdir(parents=True)
+    for arm, (norm, keys, _) in ARMS.items():
+        lines = ["# @package _global_", "defaults:", f"  - override /norm: {norm}"]
+        lines += [f"{k}: {json.dumps(v)}" for k, v in keys.items()]
+        (conf_dir / "arm" / f"{arm}.yaml").write_text("\n".join(lines) + "\n")
+
+
+def test_every_variant_trains_through_normlab_train(tmp_path):
+    write_arm_group(tmp_path / "conf")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def norm(x):\n    return x / (x * x).mean() ** 0.5\n" * 400)
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "normlab"),
+        "train",
+        "-m",
+        "--config-dir",
+        "conf",
+        "+arm=" + ",".join(ARMS),
+        "model=tiny",
+        "data=text",
+        f"data.files=[{corpus}]",
+        "seq_len=32",
+        "batch_size=4",
+        "max_steps=2",
+        "eval_every=1",
+        "eval_batches=1",
+        "log_every=1",
+        "progress=false",
+    ]
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    (sweep,) = (tmp_path / "outputs" / "sweeps").iterdir()
+    job_dirs = sorted((d for d in sweep.iterdir() if d.is_dir()), key=lambda d: int(d.name.split("_")[0]))
+    assert len(job_dirs) == len(ARMS)
+    for job_dir, (arm, (norm, keys, label)) in zip(job_dirs, ARMS.items()):
+        summary = json.loads((job_dir / "summary.json").read_text())
+        assert summary["status"] == "completed", (arm, summary)
+        assert summary["name"] == f"{label}-d2-lr3e-3-s0" and job_dir.name.endswith("_" + summary["name"])
+        assert summary["norm"] == norm and summary["qk_norm"] == keys.get("qk_norm", False)
+        assert math.isfinite(summary["final_val_loss"])
+
+        # The job trained the model its arm describes.
+        cfg = RunConfig.from_dict(yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text()))
+        assert cfg.norm.label == norm and cfg.placement == keys["placement"]
+        assert summary["n_params"] == GPT(cfg).num_params()
+
+        records = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [0, 1, 2]
+        assert all(math.isfinite(r["val_loss"]) for r in records)
+        assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
+        assert list((job_dir / "wandb").glob("offline-run-*"))

@@ -3,6 +3,11 @@
 It composes the config from normlab's packaged conf/ (plus any --config-dir),
 checks the command line before Hydra starts, validates each job's config, and
 hands the run dir Hydra made to the training loop.
+
+Under torchrun it joins the process group before Hydra starts and pins the run
+dir's time stamp and id to rank 0's, so every rank uses one dir. It installs the
+preemption handlers around each job and, once a preempted job's checkpoint is
+saved, hands the signal on (to submitit's requeue, when there is one).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import logging
 import math
 import secrets
 import sys
+import time
+from datetime import datetime
 from importlib import resources
 from pathlib import Path
 
@@ -24,11 +31,20 @@ CONFIG_MODULE = "normlab.conf"
 CONFIG_GROUPS = ("model", "norm", "data", "optim", "experiment")
 
 
-def register_resolvers() -> None:
-    """Resolvers the packaged config uses: ${uid:} (a per-launch id), ${lr_label:${lr}} and ${run_name:}."""
-    if not OmegaConf.has_resolver("uid"):
-        # Cached, and Hydra copies the cache into every sweep job, so one launch keeps one id.
-        OmegaConf.register_new_resolver("uid", lambda: secrets.token_hex(3), use_cache=True)
+def register_resolvers(stamp: tuple[float, str] | None = None) -> None:
+    """Resolvers the packaged config uses: ${launch_time:FORMAT} and ${uid:} (the launch's time and
+    id, which name its output dirs), ${lr_label:${lr}} and ${run_name:}.
+
+    `stamp` = (unix time, id) pins the first two (torchrun ranks pass rank 0's); without it each
+    process draws its own once. Both are cached, and Hydra copies the cache into every sweep job
+    (and submitit pickles it with the launcher), so one launch, and a requeued job, keeps its dirs.
+    """
+    if stamp is not None or not OmegaConf.has_resolver("uid"):
+        launched, uid = stamp or (time.time(), secrets.token_hex(3))
+        OmegaConf.register_new_resolver("uid", lambda: uid, use_cache=True, replace=True)
+        OmegaConf.register_new_resolver(
+            "launch_time", lambda fmt: datetime.fromtimestamp(launched).strftime(fmt), use_cache=True, replace=True
+        )
     if not OmegaConf.has_resolver("lr_label"):
         OmegaConf.register_new_resolver("lr_label", lambda lr: format_lr(float(lr)))
     if not OmegaConf.has_resolver("run_name"):
@@ -48,6 +64,10 @@ def _run_name(*, _root_: DictConfig) -> str:
         return RunConfig.from_dict(raw, validate=False).run_name
     except ConfigError:
         return "invalid-config"  # the job itself then stops with the one-line error
+
+
+# A submitit job unpickles `_task` from this module and resolves the config there: it needs the resolvers too.
+register_resolvers()
 
 
 def group_options(group: str, config_dirs: list[str]) -> set[str]:
@@ -74,16 +94,39 @@ def _check_value(key: str, value) -> None:
         raise ConfigError(f"telemetry.every={value!r}: must be an integer >= 0 (0 turns telemetry off)")
 
 
-def precheck(overrides: list[str], config_dirs: list[str]) -> None:
-    """Reject unknown group options and bad sweep values before Hydra launches any job."""
+def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = False) -> list[str]:
+    """Reject unknown group options and bad sweep values before Hydra launches any job.
+
+    Returns overrides to add: `resume=PATH` continues that checkpoint's run in its own dir, so
+    unless `hydra.run.dir` is given, one pointing there.
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    for override in OverridesParser.create().parse_overrides(overrides):
+    from .checkpoint import Checkpoint, CheckpointError, find_checkpoint, run_dir_of
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    extra: list[str] = []
+    for override in parsed:
         key = override.key_or_group
         if override.is_delete():
             continue
         values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
-        if key in CONFIG_GROUPS:
+        if key == "resume":
+            paths = [v for v in values if v is not None and v != "auto"]
+            if paths and (multirun or len(values) > 1):
+                raise ConfigError(f"resume={paths[0]}: a checkpoint path resumes one run, not a sweep: use resume=auto")
+            for path in paths:
+                if not isinstance(path, str) or not path.strip():
+                    raise ConfigError(f"resume={path!r}: choose null, auto or a checkpoint path")
+                try:
+                    checkpoint = find_checkpoint(path)
+                    Checkpoint.load(checkpoint)  # a bad file stops here, before Hydra makes a run dir
+                except CheckpointError as err:
+                    raise ConfigError(str(err)) from None
+                run_dir = run_dir_of(checkpoint)
+                if run_dir is not None and not any(o.key_or_group == "hydra.run.dir" for o in parsed):
+                    extra.append("hydra.run.dir=" + _quoted(str(run_dir)))
+        elif key in CONFIG_GROUPS:
             known = group_options(key, config_dirs)
             for v in values:
                 if v not in known:
@@ -91,6 +134,11 @@ def precheck(overrides: list[str], config_dirs: list[str]) -> None:
         else:
             for v in values:
                 _check_value(key, v)
+    return extra
+
+
+def _quoted(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:
@@ -162,19 +210,28 @@ def run_train(argv: list[str]) -> int:
     """`normlab train ARGS`: run Hydra with ARGS; returns the process exit code."""
     from hydra._internal.utils import get_args_parser
 
-    register_resolvers()
+    from . import distributed
+
     args = get_args_parser().parse_args(argv)
     if not args.help and not args.hydra_help:
         config_dirs = [args.config_dir] if args.config_dir else []
         try:
-            precheck(args.overrides, config_dirs)
+            argv = [*argv, *precheck(args.overrides, config_dirs, multirun=args.multirun)]
             check_jobs(args.overrides, config_dirs, args.multirun)
         except ConfigError as err:
             return _fail(err)
         except Exception as err:  # Hydra's override grammar: one line is enough
             return _fail(f"could not parse the overrides: {str(err).splitlines()[0]}")
+    if distributed.init_from_env():
+        # Ranks may start seconds apart: all take rank 0's time stamp and id, hence its dirs.
+        register_resolvers(distributed.broadcast_object((time.time(), secrets.token_hex(3))))
+        if not distributed.is_main():
+            argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]  # rank 0 writes the run dir's files
     sys.argv = ["normlab train", *argv]
-    _hydra_main()
+    try:
+        _hydra_main()
+    finally:
+        distributed.shutdown()
     return 0
 
 
@@ -188,24 +245,32 @@ def _task(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from . import distributed, preempt
     from .config import RunConfig
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     try:
         run_cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+        distributed.check_batch_split(run_cfg)
     except ConfigError as err:
         sys.exit(_fail(err))
     if multirun and run_cfg.wandb.group is None:
         run_cfg.wandb.group = Path(hc.sweep.dir).name
 
+    from .checkpoint import CheckpointError
     from .data import DataError
     from .train import run_name, train
 
     try:
-        summary = train(run_cfg, hc.runtime.output_dir)
-    except DataError as err:  # bad input, like a bad config value: one line, not a traceback
+        with preempt.watch() as previous_handlers:
+            summary = train(run_cfg, hc.runtime.output_dir)
+    except (DataError, CheckpointError) as err:  # bad input, like a bad config value: one line, not a traceback
         sys.exit(_fail(err))
+    except preempt.Preempted as stop:
+        log.warning("%s: %s; resume=auto in this run dir continues it", run_name(run_cfg), stop)
+        print(f"normlab: {run_name(run_cfg)} {stop}", file=sys.stderr)
+        preempt.chain(stop.signum, previous_handlers)
     except Exception as err:
         if not multirun:
             raise

@@ -20,6 +20,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "text", "hf")
 WANDB_MODES = ("offline", "online", "disabled")
+RESUME_CHOICES = "choose null (start fresh), auto (the newest checkpoint in the run dir, if any) or a checkpoint path"
 
 
 class ConfigError(ValueError):
@@ -107,6 +108,12 @@ class TelemetryConfig:
 
 
 @dataclass
+class CkptConfig:
+    every: int = 100  # write a checkpoint every N steps, and always at the end; 0: only at the end
+    keep: int = 1  # newest checkpoints kept in <run dir>/checkpoints
+
+
+@dataclass
 class RunConfig:
     """Everything one run needs. Short top-level keys are the ones users sweep."""
 
@@ -137,6 +144,8 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    resume: str | None = "auto"  # null: start fresh; auto: newest checkpoint in the run dir, if any; or a path
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], validate: bool = True) -> "RunConfig":
@@ -144,6 +153,8 @@ class RunConfig:
 
         Keys unknown to the schema are kept out; values of the wrong type raise ConfigError either way.
         """
+        if isinstance(raw, Mapping) and isinstance(raw.get("resume"), bool):
+            raise ConfigError(f"resume={raw['resume']}: {RESUME_CHOICES}")
         cfg = _build(cls, raw, prefix="")
         if validate:
             cfg.validate()
@@ -202,6 +213,10 @@ class RunConfig:
         _at_least("eval_batches", self.eval_batches, 1)
         _at_least("log_every", self.log_every, 1)
         _at_least("optim.warmup_steps", self.optim.warmup_steps, 0)
+        _at_least("ckpt.every", self.ckpt.every, 0)
+        _at_least("ckpt.keep", self.ckpt.keep, 1)
+        if self.resume is not None and not self.resume.strip():
+            raise ConfigError(f"resume={self.resume!r}: {RESUME_CHOICES}")
         for key in ("alpha_attn", "alpha_mlp", "alpha_final"):
             _positive(f"norm.{key}", getattr(self.norm, key))
         if not 0.0 <= self.mix_p <= 1.0:

@@ -58,6 +58,10 @@ class BatchNorm(nn.Module):
 
     In training mode a position's output depends on every other position in the
     batch, later tokens included: it is not causal. Eval mode is.
+
+    `process_group` (None unless `distributed.wrap` sets it for norm.sync=true): in training mode
+    the statistics are then taken over the rows of every process in the group, exactly as one
+    process holding the whole batch would take them, gradients included.
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1, weight: bool = True, bias: bool = True):
@@ -68,6 +72,7 @@ class BatchNorm(nn.Module):
         self.register_buffer("running_mean", torch.zeros(dim))
         self.register_buffer("running_var", torch.ones(dim))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        self.process_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
@@ -75,7 +80,11 @@ class BatchNorm(nn.Module):
         flat = x.reshape(-1, self.dim).float()
         w = None if self.weight is None else self.weight.float()
         b = None if self.bias is None else self.bias.float()
-        y = F.batch_norm(flat, self.running_mean, self.running_var, w, b, self.training, self.momentum, self.eps)
+        if self.training and self.process_group is not None:
+            y = global_batch_norm(flat, self.running_mean, self.running_var, w, b, self.momentum, self.eps,
+                                  self.process_group)
+        else:
+            y = F.batch_norm(flat, self.running_mean, self.running_var, w, b, self.training, self.momentum, self.eps)
         return y.reshape(x.shape).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -101,6 +110,7 @@ class CausalBatchNorm(nn.Module):
         self.register_buffer("running_mean", torch.zeros(positions, dim))
         self.register_buffer("running_var", torch.ones(positions, dim))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        self.process_group = None  # as BatchNorm's: set by distributed.wrap for norm.sync=true
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
@@ -114,7 +124,10 @@ class CausalBatchNorm(nn.Module):
         w = None if self.weight is None else self.weight.float().repeat(T)
         b = None if self.bias is None else self.bias.float().repeat(T)
         mean, var = self.running_mean[:T].view(-1), self.running_var[:T].view(-1)
-        y = F.batch_norm(flat, mean, var, w, b, self.training, self.momentum, self.eps)
+        if self.training and self.process_group is not None:
+            y = global_batch_norm(flat, mean, var, w, b, self.momentum, self.eps, self.process_group)
+        else:
+            y = F.batch_norm(flat, mean, var, w, b, self.training, self.momentum, self.eps)
         return y.reshape(x.shape).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -173,6 +186,64 @@ class L2Norm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """all_reduce(SUM) that carries gradients: every rank's loss depends on the sum, so the gradient
+    reaching one rank's summand is the sum of every rank's gradient of the sum."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def global_batch_norm(
+    flat: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    w: torch.Tensor | None,
+    b: torch.Tensor | None,
+    momentum: float,
+    eps: float,
+    group,
+) -> torch.Tensor:
+    """F.batch_norm's training-mode arithmetic on (rows, channels) with the sums taken over every
+    rank of `group`: the result one process holding all ranks' rows would get. Updates the
+    running statistics in place, as F.batch_norm does.
+
+    Two passes (mean, then squared deviations) rather than E[x²] − μ², which loses precision
+    when |μ| ≫ σ. The all-reduces carry gradients (their backward sums over ranks), so each
+    rank's input gradient includes the other ranks' losses through the shared statistics.
+    """
+    rows = torch.full((1,), flat.shape[0], dtype=flat.dtype, device=flat.device)
+    sums = _SumOverRanks.apply(torch.cat([flat.sum(0), rows]), group)
+    n = sums[-1]
+    mean = sums[:-1] / n
+    centered = flat - mean
+    var = _SumOverRanks.apply((centered * centered).sum(0), group) / n
+    y = centered * torch.rsqrt(var + eps)
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    with torch.no_grad():
+        unbiased = var * (n / (n - 1).clamp(min=1))
+        running_mean.lerp_(mean.detach(), momentum)
+        running_var.lerp_(unbiased.detach(), momentum)
+    return y
 
 
 NORM_ROLES = ("attn", "mlp", "final")

@@ -103,11 +103,30 @@ class MetricsFile:
 class WandbSink:
     """One wandb run per normlab run; offline by default, so no account is needed."""
 
-    def __init__(self, wandb_cfg, run_dir: RunDir, name: str, config: dict[str, Any], tags: list[str]):
+    def __init__(
+        self,
+        wandb_cfg,
+        run_dir: RunDir,
+        name: str,
+        config: dict[str, Any],
+        tags: list[str],
+        run_id: str | None = None,
+        history: list[dict[str, Any]] | None = None,
+    ):
+        """`run_id`: the wandb run's id. `history`: when resuming, the records the run already holds.
+
+        A resumed run continues the same id. Online, wandb resumes after the run's last recorded
+        step; offline, wandb 0.31 ignores `resume` and starts a new offline-run-*-<id> dir, which
+        `wandb sync` uploads after the earlier ones as the same run. Either way wandb drops a step
+        lower than one it already has, so the history is replayed from the run's current step
+        (0 offline): steps an earlier, killed process never got to wandb are filled in, none twice.
+        """
         import wandb
 
         self._wandb = wandb
         self.run = wandb.init(
+            id=run_id,
+            resume="allow" if history is not None else None,
             project=wandb_cfg.project,
             entity=wandb_cfg.entity,
             group=wandb_cfg.group,
@@ -120,7 +139,9 @@ class WandbSink:
             settings=wandb.Settings(silent=True, console="off"),
         )
         self._step: int | None = None
-
+        for record in history or []:
+            if record.get("step", -1) >= self.run.step:
+                self.log(record)
 
     def log(self, record: dict[str, Any]) -> None:
         self._step = record.get("step")
@@ -138,5 +159,7 @@ class WandbSink:
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
         try:
             self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
+            if summary.get("status") == "preempted":
+                self.run.mark_preempting()
         finally:
             self.run.finish(exit_code=exit_code)

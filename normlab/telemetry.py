@@ -288,6 +288,13 @@ class Probe:
         self._reset()
         return stats
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the history behind the end-of-run table and heatmaps."""
+        return {"history": [dict(entry) for entry in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = [dict(entry) for entry in state["history"]]
+
     def _combine(self, host: dict[str, list[float]]) -> dict[str, float]:
         """Host-side arithmetic on the transferred scalars."""
         stats: dict[str, float] = {}

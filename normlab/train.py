@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import secrets
+import signal
 import time
 from typing import Any
 
@@ -24,9 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import distributed
+from .checkpoint import Checkpoint, CheckpointError, Checkpointer, GeneratorState, resolve_resume, rewind
 from .config import RunConfig
 from .data import Corpus, eval_batches, load_corpus, sample_batch
 from .model import GPT
+from .preempt import Preempted, requested
 from .sinks import MetricsFile, RunDir, Sink, WandbSink
 from .telemetry import Probe
 
@@ -110,46 +115,63 @@ def accumulate_gradients(
     """Forward and backward the batch as `grad_accum` equal micro-batches; return the batch's mean loss.
 
     Each micro-batch loss is scaled by 1/grad_accum, so the accumulated gradient is
-    the full-batch gradient (times the GradScaler's scale under fp16).
+    the full-batch gradient (times the GradScaler's scale under fp16). Under DDP the
+    gradients are all-reduced on the last micro-batch only: the others run, forward
+    and backward, inside `no_sync`.
     """
     total = torch.zeros((), device=device)
-    for xm, ym in zip(x.chunk(grad_accum), y.chunk(grad_accum)):
-        with autocast(device, precision):
-            loss = loss_fn(model(xm), ym)
-        scaler.scale(loss / grad_accum).backward()
+    for i, (xm, ym) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum))):
+        with distributed.grad_sync(model, last=i == grad_accum - 1):
+            with autocast(device, precision):
+                loss = loss_fn(model(xm), ym)
+            scaler.scale(loss / grad_accum).backward()
         total += loss.detach()
     return total / grad_accum
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, device: torch.device, precision: str) -> float:
-    """Mean loss over fixed held-out batches, in eval mode (BatchNorm uses running statistics: causal)."""
+    """Mean loss over fixed held-out batches, in eval mode (BatchNorm uses running statistics: causal).
+
+    Under DDP every rank evaluates its share of the batches with rank 0's running statistics,
+    and the losses are summed over ranks: every rank returns the mean over all the batches.
+    """
     was_training = model.training
     model.eval()
+    distributed.broadcast_buffers(model)
     total = torch.zeros((), device=device)
-    for x, y in batches:
+    for x, y in batches[distributed.rank() :: distributed.world_size()]:
         with autocast(device, precision):
             total += loss_fn(model(x.to(device)), y.to(device))
     model.train(was_training)
-    return (total / len(batches)).item()
+    return (distributed.total(total) / len(batches)).item()
 
 
-def build_sinks(cfg: RunConfig, run_dir: RunDir, name: str) -> list[Sink]:
+def build_sinks(cfg: RunConfig, run_dir: RunDir, name: str, wandb_run_id: str | None = None,
+                history: list[dict[str, Any]] | None = None) -> list[Sink]:
+    """metrics.jsonl and wandb. `history`: the records a resumed run already holds (None: a fresh run)."""
     sinks: list[Sink] = [MetricsFile(run_dir)]
     if cfg.wandb.mode != "disabled":
         tags = [f"norm={cfg.norm.label}", f"placement={cfg.placement}", f"qk_norm={str(cfg.qk_norm).lower()}"]
-        sinks.append(WandbSink(cfg.wandb, run_dir, name, cfg.to_dict(), tags))
+        sinks.append(WandbSink(cfg.wandb, run_dir, name, cfg.to_dict(), tags, run_id=wandb_run_id, history=history))
     return sinks
 
 
 def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None) -> dict[str, Any]:
     """Train one model as `cfg` says; write metrics.jsonl and summary.json into `run_dir`; return the summary.
 
-    The sinks are always finished, with a non-zero exit code if training raised.
+    The sinks are always finished, with a non-zero exit code if training raised. `cfg.resume`
+    decides where training starts (see checkpoint.resolve_resume); a checkpoint that does not
+    fit raises CheckpointError and leaves `run_dir` untouched. A preemption signal (preempt.py)
+    raises Preempted after the checkpoint is saved. Under torchrun only rank 0 writes files.
+    Given `sinks` are used as they are: pass them for a fresh run only, since a resumed run
+    rewinds metrics.jsonl before it opens its own.
     """
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     name = run_name(cfg)
     started = time.time()
+    writes = distributed.is_main()
+    resumed = resolve_resume(cfg, run_dir.path)
     summary: dict[str, Any] = {
         "name": name,
         "norm": cfg.norm.label,
@@ -166,16 +188,33 @@ def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None
     try:
         corpus = load_corpus(cfg.data)
         summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256)
-        built_sinks = build_sinks(cfg, run_dir, name) if sinks is None else sinks
-        summary.update(_fit(cfg, corpus, built_sinks))
+        if resumed is not None:
+            resumed.check_corpus(corpus.sha256)
+        wandb_run_id = (resumed.wandb_run_id if resumed else None) or secrets.token_hex(4)
+        checkpointer = Checkpointer(run_dir.path, cfg, wandb_run_id=wandb_run_id, corpus_sha256=corpus.sha256,
+                                    world_size=distributed.world_size(), writes=writes)
+        if writes:
+            history = rewind(run_dir.path, resumed.step if resumed else 0)
+            if sinks is None:
+                built_sinks = build_sinks(cfg, run_dir, name, wandb_run_id, history if resumed else None)
+            else:
+                built_sinks = sinks
+        summary.update(_fit(cfg, corpus, built_sinks, checkpointer, resumed))
         exit_code = 0  # a diverged run is an outcome, not a failure
+    except Preempted as stop:
+        summary.update(status="preempted", preempted_step=stop.step)
+        exit_code = 128 + stop.signum
+        raise
+    except CheckpointError:
+        writes = False  # the run dir stays as it was
+        raise
     except BaseException as err:
         summary["status"] = "failed"
         summary["error"] = f"{type(err).__name__}: {err}"
         raise
     finally:
         summary["wall_time_s"] = round(time.time() - started, 3)
-        if not built_sinks:
+        if writes and not built_sinks:
             run_dir.write_summary(summary)
         for sink in built_sinks:
             sink.finish(summary, exit_code)
@@ -201,12 +240,23 @@ class DivergenceGuard:
         step = int(self.first_bad.item())
         return None if step < 0 else step
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"factor": self.factor, "limit": self.limit, "first_bad": self.first_bad}
 
-def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
-    device = resolve_device(cfg.device)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        device = self.first_bad.device
+        self.limit = None if state["limit"] is None else state["limit"].to(device)
+        self.first_bad = state["first_bad"].to(device)
+
+
+def _fit(
+    cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkpointer, resumed: Checkpoint | None
+) -> dict[str, Any]:
+    device = distributed.local_device(resolve_device(cfg.device))
     precision = resolve_precision(cfg.precision, device)
     seed_everything(cfg.seed)
     model = GPT(cfg).to(device)
+    net = distributed.wrap(model, device, sync_batchnorm=cfg.norm.sync)  # `model` itself for one process
     # Data order depends on the seed alone, never on the model: every arm of a sweep sees the same batches.
     data_gen = torch.Generator().manual_seed(cfg.seed)
     # The held-out windows depend on batch_size alone; evaluating them in micro-batches bounds memory.
@@ -232,9 +282,31 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
     best_val, last_val = math.inf, math.nan
     tokens, train_time = 0, 0.0
     window_tokens, window_time = 0, 0.0
-    bar = _progress(cfg)
+
+    # Everything a checkpoint saves and restores: any object with state_dict() and load_state_dict().
+    components = {
+        "model": model,
+        "optimizer": optimizer,
+        "scaler": scaler,
+        "data_sampler": GeneratorState(data_gen),
+        "divergence_guard": guard,
+        "telemetry": probe,
+    }
+
+    def loop_counters() -> dict[str, Any]:
+        return dict(tokens=tokens, best_val=best_val, last_val=last_val, train_time=train_time,
+                    window_tokens=window_tokens, window_time=window_time)
+
+    start_step = 0
+    if resumed is not None:
+        counters = resumed.restore(components)
+        start_step = resumed.step
+        tokens, best_val, last_val = counters["tokens"], counters["best_val"], counters["last_val"]
+        train_time, window_tokens, window_time = counters["train_time"], counters["window_tokens"], counters["window_time"]
+
+    bar = _progress(cfg, start_step) if distributed.is_main() else None
     model.train()
-    for step in range(cfg.max_steps + 1):
+    for step in range(start_step, cfg.max_steps + 1):
         record: dict[str, Any] = {"step": step, "tokens": tokens}
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.max_steps:
             last_val = evaluate(model, val_batches, device, precision)
@@ -252,11 +324,12 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
+        x, y = distributed.rank_share(x, y, cfg.grad_accum)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         # Hooks exist only inside this block on telemetry steps; other steps run the bare model.
         watching = probe.active(step)
         with probe.watch() if watching else contextlib.nullcontext():
-            loss = accumulate_gradients(model, x, y, cfg.grad_accum, scaler, device, precision)
+            loss = distributed.mean(accumulate_gradients(net, x, y, cfg.grad_accum, scaler, device, precision))
         guard.observe(step, loss)
         scaler.unscale_(optimizer)
         if watching:
@@ -294,9 +367,21 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink]) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
         if bar is not None:
             bar.update(1)
+
+        # A step boundary: step + 1 updates are done and every record up to `step` is emitted.
+        stop = distributed.any_rank(requested() is not None)
+        if stop or checkpointer.due(step + 1):
+            checkpointer.save(step + 1, components, loop_counters())
+        if stop:
+            distributed.barrier()  # no rank exits before rank 0's checkpoint is on disk
+            raise Preempted(requested() or signal.SIGTERM, step + 1)
     if bar is not None:
         bar.close()
+    if diverged_step is None:
+        checkpointer.save(cfg.max_steps, components, loop_counters())
     result: dict[str, Any] = {"status": "completed"}
+    if resumed is not None:
+        result["resumed_from_step"] = resumed.step
     if diverged_step is not None:
         _emit(sinks, {"step": diverged_step, "tokens": diverged_step * tokens_per_step, "status": "diverged"})
         result.update(status="diverged", diverged_step=diverged_step)
@@ -334,9 +419,9 @@ def _emit_telemetry_products(sinks: list[Sink], probe: Probe) -> None:
             sink.log_image(name, png)
 
 
-def _progress(cfg: RunConfig):
+def _progress(cfg: RunConfig, start_step: int = 0):
     if not cfg.progress:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=cfg.max_steps, desc=run_name(cfg), unit="step", dynamic_ncols=True)
+    return tqdm(total=cfg.max_steps, initial=start_step, desc=run_name(cfg), unit="step", dynamic_ncols=True)

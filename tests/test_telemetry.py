@@ -374,3 +374,28 @@ def test_wandb_gets_the_table_and_images_at_the_last_step(tmp_path, text_data):
     assert images == ["grad_norm_3", "resid_rms_3"]  # logged at the final step, 3
     table = json.loads(tables[0].read_text())
     assert table["columns"][:2] == ["step", "layer"] and len(table["data"]) == 2 * cfg.depth  # steps 0 and 2 (the last)
+
+
+
+def test_a_resumed_run_keeps_the_telemetry_history(tmp_path, text_data):
+    """The end-of-run table of a run preempted and resumed covers the steps before the checkpoint too."""
+    import signal
+
+    from normlab import preempt
+    from normlab.sinks import MetricsFile, RunDir
+    from test_checkpoint import SignalAt
+
+    def cfg():
+        c = tiny_config("layer", "pre", data=text_data, max_steps=6, eval_every=0, telemetry=TelemetryConfig(every=2))
+        c.wandb.mode = "disabled"
+        return c
+
+    train(cfg(), tmp_path / "whole")
+    run_dir = RunDir(tmp_path / "cut")
+    with preempt.watch(), pytest.raises(preempt.Preempted):
+        train(cfg(), run_dir, sinks=[MetricsFile(run_dir), SignalAt(2, signal.SIGTERM)])
+    train(cfg(), run_dir)  # resume=auto picks up the checkpoint of step 3
+    whole = (tmp_path / "whole" / "telemetry" / "layers.csv").read_text().splitlines()
+    resumed = (tmp_path / "cut" / "telemetry" / "layers.csv").read_text().splitlines()
+    assert [line.split(",")[:2] for line in resumed] == [line.split(",")[:2] for line in whole]
+    assert {line.split(",")[0] for line in whole[1:]} == {"0", "2", "4", "5"}

@@ -1,0 +1,382 @@
+"""Checkpoints: what one holds, how it is written and read, and where a resumed run starts.
+
+A checkpoint is taken at a step boundary. `step` k means: k optimizer updates are done and
+every metrics record of steps < k has been emitted; the resumed loop continues at step k (it
+evaluates at step k if due, trains on batch k, and logs record k). A checkpoint holds
+
+  components      name -> state_dict() of each stateful part of the loop: model, optimizer,
+                  GradScaler, data sampler (the training-batch generator), divergence guard,
+                  and any other part registered in `_fit`'s `components` dict (e.g. telemetry)
+  loop            the loop's counters: tokens, best and last val loss, training time, the
+                  throughput window (so the summary of a resumed run equals an uninterrupted one's)
+  rng             python, numpy, torch and CUDA generator states
+  config          the run's flattened config, checked against the resuming run's
+  corpus_sha256, wandb_run_id, world_size
+
+The learning-rate schedule is a pure function of the step (`lr_at`), so the step is its position.
+Files live in <run dir>/checkpoints/step-000120.pt. Each is written to a temporary file, flushed
+and renamed, so a crash never leaves half a checkpoint under a checkpoint's name, and each is read
+with torch.load(weights_only=True): tensors and plain containers only, never arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import re
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import RunConfig
+
+FORMAT = "normlab-checkpoint/1"
+CHECKPOINT_DIR = "checkpoints"
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+# Config keys a resumed run may change: they change neither the data nor the arithmetic of training.
+MAY_CHANGE_ON_RESUME = ("resume", "ckpt", "progress", "fail_fast", "device", "compile", "wandb", "data.cache_dir")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from (unreadable, or not this run's); the message is one line."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+class GeneratorState:
+    """A torch.Generator as a checkpoint component (the data sampler: its state decides the next batches)."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["state"])
+
+
+def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR / f"step-{step:06d}.pt"
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint in `run_dir`, oldest first."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    found = [(int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := _NAME.match(p.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint of `run_dir` with the highest step, or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def flatten_config(cfg: RunConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """{'norm.name': 'rms', 'optim.betas': [0.9, 0.95], ...}: a config as dotted keys."""
+    tree = cfg.to_dict() if isinstance(cfg, RunConfig) else cfg
+    flat: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[prefix + key] = value
+
+    walk(tree, "")
+    return flat
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every generator a training step may draw from: python, numpy, torch (CPU) and CUDA."""
+    _, key, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np.random.set_state(("MT19937", np_state["key"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
+
+
+def write_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """torch.save `payload` to a temporary file beside `path`, flush it to disk, then rename it to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The rename itself must reach the disk, or a power cut could bring back the old name.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Checkpoint:
+    """A checkpoint read from disk: `step`, `wandb_run_id`, and `restore()` into a run's components."""
+
+    def __init__(self, path: Path, payload: dict[str, Any]):
+        self.path = path
+        self.payload = payload
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Checkpoint":
+        """Read `path` safely (weights_only); raise CheckpointError naming the file if it is not a normlab checkpoint."""
+        path = Path(path)
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: no such checkpoint") from None
+        except Exception as err:
+            # torch's refusal of a non-weights pickle is a paragraph of advice; the gist fits in the line below.
+            detail = "" if isinstance(err, pickle.UnpicklingError) else f" ({type(err).__name__}: {_first_line(err)})"
+            raise CheckpointError(f"{path}: unreadable checkpoint: corrupt, truncated, or not written by normlab{detail}") from None
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: not a normlab checkpoint (expected format {FORMAT!r})")
+        missing = [k for k in ("step", "components", "loop", "rng", "config") if k not in payload]
+        if missing:
+            raise CheckpointError(f"{path}: incomplete checkpoint, it has no {', '.join(missing)}")
+        return cls(path, payload)
+
+    @property
+    def step(self) -> int:
+        return int(self.payload["step"])
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.payload.get("wandb_run_id")
+
+    def check_config(self, cfg: RunConfig) -> None:
+        """Raise CheckpointError if `cfg` trains differently from the run that wrote this checkpoint."""
+        saved, current = self.payload["config"], flatten_config(cfg)
+        missing = object()
+        differ = [
+            key for key in sorted(set(saved) | set(current))
+            if not _may_change(key) and saved.get(key, missing) != current.get(key, missing)
+        ]
+        if differ:
+            key = differ[0]
+            more = f" (and {len(differ) - 1} more differences)" if len(differ) > 1 else ""
+            raise CheckpointError(
+                f"{self.path}: written by a run with {key}={saved.get(key, '<absent>')!r}, this run has "
+                f"{key}={current.get(key, '<absent>')!r}{more}: resume with the same config, or start afresh in a new run dir"
+            )
+
+    def check_corpus(self, sha256: str) -> None:
+        saved = self.payload.get("corpus_sha256")
+        if saved is not None and saved != sha256:
+            raise CheckpointError(
+                f"{self.path}: written by a run on corpus sha256 {saved[:12]}…, this run's corpus is {sha256[:12]}…: "
+                "the data changed, so the run cannot continue exactly"
+            )
+
+    def restore(self, components: Mapping[str, Stateful]) -> dict[str, Any]:
+        """Load every component's state and the RNG states; return the loop's counters."""
+        states = self.payload["components"]
+        for name, component in components.items():
+            if name not in states:
+                raise CheckpointError(f"{self.path}: holds no state for {name!r} (it holds {', '.join(sorted(states))})")
+            if isinstance(component, nn.Module):
+                self._check_module(name, component, states[name])
+            try:
+                component.load_state_dict(states[name])
+            except (RuntimeError, ValueError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{self.path}: the {name} state does not fit this run: {_first_line(err)}") from None
+        restore_rng(self.payload["rng"])
+        return dict(self.payload["loop"])
+
+    def _check_module(self, name: str, module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        expected = module.state_dict()
+        for key in expected:
+            if key not in state:
+                raise CheckpointError(f"{self.path}: {name} mismatch: this {name} has {key}, the checkpoint does not")
+            if tuple(state[key].shape) != tuple(expected[key].shape):
+                raise CheckpointError(
+                    f"{self.path}: {name} mismatch: {key} has shape {list(state[key].shape)} in the checkpoint, "
+                    f"{list(expected[key].shape)} in this run"
+                )
+        extra = sorted(set(state) - set(expected))
+        if extra:
+            raise CheckpointError(f"{self.path}: {name} mismatch: the checkpoint has {extra[0]}, this {name} does not")
+
+
+class Checkpointer:
+    """Writes one run's checkpoints into <run dir>/checkpoints, keeps the newest `ckpt.keep`, and
+    knows when one is due. Only the writing process (rank 0) passes writes=True."""
+
+    def __init__(self, run_dir: str | os.PathLike, cfg: RunConfig, *, wandb_run_id: str | None,
+                 corpus_sha256: str, world_size: int = 1, writes: bool = True):
+        self.run_dir = Path(run_dir)
+        self.every, self.keep, self.max_steps = cfg.ckpt.every, cfg.ckpt.keep, cfg.max_steps
+        self.writes = writes
+        self._identity = {
+            "config": flatten_config(cfg),
+            "corpus_sha256": corpus_sha256,
+            "wandb_run_id": wandb_run_id,
+            "world_size": world_size,
+        }
+
+    def due(self, step: int) -> bool:
+        """A periodic checkpoint after `step` updates; the final one is written by the caller at max_steps."""
+        return self.every > 0 and step % self.every == 0 and step < self.max_steps
+
+    def save(self, step: int, components: Mapping[str, Stateful], loop: Mapping[str, Any]) -> Path | None:
+        """Write the checkpoint of step `step` (updates done) atomically; return its path (None when not writing)."""
+        if not self.writes:
+            return None
+        payload = {
+            "format": FORMAT,
+            "step": step,
+            "components": {name: component.state_dict() for name, component in components.items()},
+            "loop": dict(loop),
+            "rng": capture_rng(),
+            **self._identity,
+        }
+        path = checkpoint_path(self.run_dir, step)
+        write_atomic(path, payload)
+        for _, old in list_checkpoints(self.run_dir)[: -self.keep]:
+            old.unlink(missing_ok=True)
+        return path
+
+
+def resolve_resume(cfg: RunConfig, run_dir: str | os.PathLike) -> Checkpoint | None:
+    """The checkpoint this run continues from, per `cfg.resume`, checked against `cfg`; None for a fresh start.
+
+    null: a fresh start, refused if `run_dir` already holds metrics (that run would be overwritten).
+    auto: the newest checkpoint in `run_dir`, or a fresh start if it has none.
+    PATH: that checkpoint file, or the newest checkpoint of that run dir.
+    Raises CheckpointError (one line) before any file of the run is touched.
+    """
+    run_dir = Path(run_dir)
+    if cfg.resume is None:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and metrics.stat().st_size > 0:
+            raise CheckpointError(
+                f"{run_dir} already holds a run (metrics.jsonl): resume=null would write a second run over it; "
+                "use resume=auto to continue it, or a new run dir"
+            )
+        return None
+    if cfg.resume == "auto":
+        path = latest_checkpoint(run_dir)
+    else:
+        path = find_checkpoint(cfg.resume)
+    if path is None:
+        return None
+    checkpoint = Checkpoint.load(path)
+    checkpoint.check_config(cfg)
+    return checkpoint
+
+
+def find_checkpoint(spec: str | os.PathLike) -> Path:
+    """`spec` itself if it is a file, else the newest checkpoint of the run dir `spec`; CheckpointError if neither."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    if not path.exists():
+        raise CheckpointError(f"resume={spec}: no such file or directory")
+    newest = latest_checkpoint(path)
+    if newest is None:
+        raise CheckpointError(f"resume={spec}: no checkpoint in {path / CHECKPOINT_DIR}")
+    return newest
+
+
+def run_dir_of(checkpoint: str | os.PathLike) -> Path | None:
+    """The run dir a checkpoint file belongs to (<run dir>/checkpoints/step-N.pt), or None if it lies elsewhere."""
+    path = Path(checkpoint)
+    return path.parent.parent if path.parent.name == CHECKPOINT_DIR else None
+
+
+def rewind(run_dir: str | os.PathLike, step: int) -> list[dict[str, Any]]:
+    """Make `run_dir` look as it did when step `step`'s checkpoint was taken: metrics rows with
+    step >= `step` go (the resumed run measures them again), and so do checkpoints of later steps.
+    Returns the rows that remain."""
+    run_dir = Path(run_dir)
+    kept = rewind_metrics(run_dir / "metrics.jsonl", step)
+    for later, path in list_checkpoints(run_dir):
+        if later > step:
+            path.unlink(missing_ok=True)
+    for stale in (run_dir / CHECKPOINT_DIR).glob(".step-*.tmp"):
+        stale.unlink(missing_ok=True)  # left by a process killed while writing
+    return kept
+
+
+def rewind_metrics(path: Path, first_step: int) -> list[dict[str, Any]]:
+    """Drop the rows of metrics.jsonl whose step is >= `first_step`, and a last line torn by a kill;
+    return the rows kept.
+
+    The file is replaced atomically (temporary file, flush, rename): a crash leaves either the old
+    rows or the kept ones, never fewer.
+    """
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines(keepends=True)
+    kept, rows = [], []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                continue  # the process was killed in the middle of writing this line
+            raise CheckpointError(f"{path}: line {number} is not JSON; repair or remove it before resuming") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or row["step"] < first_step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+            rows.append(row)
+    if kept == lines:
+        return rows
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        fh.writelines(kept)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return rows
+
+
+def _may_change(key: str) -> bool:
+    return any(key == prefix or key.startswith(prefix + ".") for prefix in MAY_CHANGE_ON_RESUME)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:200]

@@ -4,10 +4,10 @@ xiong2020_grad_init.png   the paper's Figure 3: the norm of the FFN's parameter 
                           (telemetry's step-0 grad/norm/LXX/mlp) against layer index at
                           initialization, Post-LN and Pre-LN, mean and min-max over the runs
                           (seeds) found under --init
-xiong2020_warmup.png      training loss against step for the runs under --runs, a panel per
-                          peak lr, Pre-LN and Post-LN with and without warmup
+xiong2020_warmup.png      training loss against step for the runs under the --runs dirs, a
+                          panel per peak lr, Pre-LN and Post-LN with and without warmup
 
-usage: python scripts/plot_xiong2020.py --init SWEEP_DIR --runs SWEEP_DIR --out DIR
+usage: python scripts/plot_xiong2020.py --init SWEEP_DIR [--runs SWEEP_DIR...] --out DIR
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def plot_warmup(runs: list[dict], out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--init", type=Path, required=True, help="sweep dir of the step-0 (seed) runs")
-    parser.add_argument("--runs", type=Path, help="sweep dir of the training runs (warmup on/off)")
+    parser.add_argument("--runs", type=Path, nargs="+", default=[], help="sweep dirs of the training runs (warmup on/off)")
     parser.add_argument("--out", type=Path, required=True, help="dir for the PNGs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -145,8 +145,8 @@ def main() -> None:
     plot_grad_init(grads, f"{depth} blocks", args.out / "xiong2020_grad_init.png")
 
     if args.runs:
-        runs = training_runs(args.runs)
-        print(f"training runs, {args.runs}")
+        runs = sorted((r for root in args.runs for r in training_runs(root)), key=lambda r: (r["lr"], r["placement"], r["warmup"]))
+        print(f"training runs, {' '.join(map(str, args.runs))}")
         print("  placement  lr      warmup  status     final val loss  best val loss")
         for r in runs:
             s = r["summary"]

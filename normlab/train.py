@@ -300,6 +300,7 @@ def _fit(
     # Telemetry steps and evaluation run eager `net`/`model`; checkpoints hold `model`, so no `_orig_mod.` keys.
     fast = torch.compile(net) if cfg.compile else net
     compile_time: float | None = None
+    eval_time = 0.0  # in this process (not restored on resume): what the evaluations cost next to the steps
     # Data order depends on the seed alone, never on the model: every arm of a sweep sees the same batches.
     data_gen = torch.Generator().manual_seed(cfg.seed)
     # The held-out windows depend on batch_size alone; evaluating them in micro-batches bounds memory.
@@ -354,7 +355,9 @@ def _fit(
     for step in range(start_step, cfg.max_steps + 1):
         record: dict[str, Any] = {"step": step, "tokens": tokens}
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.max_steps:
+            t_eval = time.perf_counter()
             last_val = evaluate(model, val_batches, device, precision)
+            eval_time += time.perf_counter() - t_eval
             if not math.isfinite(last_val):
                 diverged_step = step
                 break
@@ -459,6 +462,7 @@ def _fit(
         "n_params": sum(p.numel() for p in model.parameters()),
         "device": device.type,
         "precision": precision,
+        "eval_time_s": round(eval_time, 3),
         **({"compile_time_s": round(compile_time, 3)} if compile_time is not None else {}),
     }
 

@@ -300,7 +300,7 @@ def _fit(
     # Telemetry steps and evaluation run eager `net`/`model`; checkpoints hold `model`, so no `_orig_mod.` keys.
     fast = torch.compile(net) if cfg.compile else net
     compile_time: float | None = None
-    eval_time = 0.0  # in this process (not restored on resume): what the evaluations cost next to the steps
+    eval_time = 0.0  # what the evaluations cost beside the steps (summary.json's eval_time_s)
     # Data order depends on the seed alone, never on the model: every arm of a sweep sees the same batches.
     data_gen = torch.Generator().manual_seed(cfg.seed)
     # The held-out windows depend on batch_size alone; evaluating them in micro-batches bounds memory.
@@ -339,7 +339,7 @@ def _fit(
 
     def loop_counters() -> dict[str, Any]:
         return dict(tokens=tokens, best_val=best_val, last_val=last_val, train_time=train_time,
-                    window_tokens=window_tokens, window_time=window_time)
+                    window_tokens=window_tokens, window_time=window_time, eval_time=eval_time)
 
     start_step = 0
     if resumed is not None:
@@ -347,6 +347,7 @@ def _fit(
         start_step = resumed.step
         tokens, best_val, last_val = counters["tokens"], counters["best_val"], counters["last_val"]
         train_time, window_tokens, window_time = counters["train_time"], counters["window_tokens"], counters["window_time"]
+        eval_time = counters.get("eval_time", 0.0)  # absent from checkpoints written before it was counted
 
     bar = _progress(cfg, start_step) if distributed.is_main() else None
     next_batch = batch_loader(corpus.train, cfg, data_gen, device)

@@ -210,18 +210,24 @@ def run_train(argv: list[str]) -> int:
     """`normlab train ARGS`: run Hydra with ARGS; returns the process exit code."""
     from hydra._internal.utils import get_args_parser
 
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help:
+        # Help needs Hydra alone: importing torch (through distributed) would cost seconds.
+        sys.argv = ["normlab train", *argv]
+        _hydra_main()
+        return 0
+
+    config_dirs = [args.config_dir] if args.config_dir else []
+    try:
+        argv = [*argv, *precheck(args.overrides, config_dirs, multirun=args.multirun)]
+        check_jobs(args.overrides, config_dirs, args.multirun)
+    except ConfigError as err:
+        return _fail(err)
+    except Exception as err:  # Hydra's override grammar: one line is enough
+        return _fail(f"could not parse the overrides: {str(err).splitlines()[0]}")
+
     from . import distributed
 
-    args = get_args_parser().parse_args(argv)
-    if not args.help and not args.hydra_help:
-        config_dirs = [args.config_dir] if args.config_dir else []
-        try:
-            argv = [*argv, *precheck(args.overrides, config_dirs, multirun=args.multirun)]
-            check_jobs(args.overrides, config_dirs, args.multirun)
-        except ConfigError as err:
-            return _fail(err)
-        except Exception as err:  # Hydra's override grammar: one line is enough
-            return _fail(f"could not parse the overrides: {str(err).splitlines()[0]}")
     if distributed.init_from_env():
         # Ranks may start seconds apart: all take rank 0's time stamp and id, hence its dirs.
         register_resolvers(distributed.broadcast_object((time.time(), secrets.token_hex(3))))

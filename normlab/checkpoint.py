@@ -40,7 +40,7 @@ CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 
 # Config keys a resumed run may change: they change neither the data nor the arithmetic of training.
-MAY_CHANGE_ON_RESUME = ("resume", "ckpt", "progress", "fail_fast", "device", "compile", "wandb", "data.cache_dir")
+MAY_CHANGE_ON_RESUME = ("resume", "ckpt", "progress", "fail_fast", "device", "compile", "tf32", "wandb", "data.cache_dir")
 
 
 class CheckpointError(RuntimeError):

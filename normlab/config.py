@@ -135,7 +135,8 @@ class RunConfig:
     log_every: int = 10
     precision: str = "auto"
     device: str = "auto"
-    compile: bool = False
+    compile: bool = False  # torch.compile the model for the training steps that take no telemetry
+    tf32: bool = True  # CUDA only: float32 matmuls on TF32 tensor cores (Ampere and later)
     diverge_factor: float = 3.0  # stop as diverged when the loss exceeds this × the initial loss; 0: only NaN/inf
     fail_fast: bool = False  # in a multirun, stop the sweep at the first failed job
     progress: bool = True

@@ -9,6 +9,12 @@ Step convention: record `step` s holds what was measured at the weights after s
 updates: the training loss and gradient of batch s, and val_loss when evaluated.
 So step 0 is initialization, and the final evaluation is logged at step max_steps.
 Telemetry steps (0, every telemetry.every steps, max_steps - 1) are always logged steps.
+
+Speed: with `compile=true` the other training steps run a torch.compile'd module, while
+telemetry steps and evaluation run the eager one (hooks attach to eager modules). The host
+reads device values (`.item()`) on logged steps only, the next batch is drawn, pinned and
+copied (non-blocking) once the current step is queued and checkpointed, and under DDP the
+ranks agree on a preemption request every PREEMPT_CHECK_EVERY steps, not with a collective per step.
 """
 
 from __future__ import annotations
@@ -59,6 +65,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def batch_loader(tokens: torch.Tensor, cfg: RunConfig, generator: torch.Generator, device: torch.device):
+    """A function returning the next training batch, drawn from `generator`, this rank's share, on `device`.
+
+    On CUDA the batch goes through pinned host memory with a non-blocking copy, so the copy overlaps
+    whatever the GPU is still running. Draws happen only when called: the generator's state is
+    always the one after the batches handed out so far.
+    """
+    pin = device.type == "cuda"
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = sample_batch(tokens, cfg.batch_size, cfg.seq_len, generator)
+        x, y = distributed.rank_share(x, y, cfg.grad_accum)
+        if pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    return next_batch
+
+
 def resolve_precision(name: str, device: torch.device) -> str:
     """`auto`: bf16 on a CUDA device that supports it, else fp16 on CUDA, fp32 on the CPU."""
     if name != "auto":
@@ -69,6 +94,20 @@ def resolve_precision(name: str, device: torch.device) -> str:
 
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Under DDP, asking every rank whether any was signalled is a collective (a host sync): ask every
+# this many steps, at checkpoint steps and at the last step. A preempted DDP run so stops up to this
+# many steps after the signal: keep the scheduler's warning time above that many step times.
+PREEMPT_CHECK_EVERY = 10
+
+
+def configure_matmul(device: torch.device, tf32: bool) -> None:
+    """On CUDA, let float32 matmuls and convolutions use TF32 tensor cores when `tf32` (Ampere and later).
+    Changes nothing on the CPU, where float32 stays IEEE float32."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
 
 
 def autocast(device: torch.device, precision: str):
@@ -255,8 +294,13 @@ def _fit(
     device = distributed.local_device(resolve_device(cfg.device))
     precision = resolve_precision(cfg.precision, device)
     seed_everything(cfg.seed)
+    configure_matmul(device, cfg.tf32)
     model = GPT(cfg).to(device)
     net = distributed.wrap(model, device, sync_batchnorm=cfg.norm.sync)  # `model` itself for one process
+    # Telemetry steps and evaluation run eager `net`/`model`; checkpoints hold `model`, so no `_orig_mod.` keys.
+    fast = torch.compile(net) if cfg.compile else net
+    compile_time: float | None = None
+    eval_time = 0.0  # what the evaluations cost beside the steps (summary.json's eval_time_s)
     # Data order depends on the seed alone, never on the model: every arm of a sweep sees the same batches.
     data_gen = torch.Generator().manual_seed(cfg.seed)
     # The held-out windows depend on batch_size alone; evaluating them in micro-batches bounds memory.
@@ -295,7 +339,7 @@ def _fit(
 
     def loop_counters() -> dict[str, Any]:
         return dict(tokens=tokens, best_val=best_val, last_val=last_val, train_time=train_time,
-                    window_tokens=window_tokens, window_time=window_time)
+                    window_tokens=window_tokens, window_time=window_time, eval_time=eval_time)
 
     start_step = 0
     if resumed is not None:
@@ -303,13 +347,18 @@ def _fit(
         start_step = resumed.step
         tokens, best_val, last_val = counters["tokens"], counters["best_val"], counters["last_val"]
         train_time, window_tokens, window_time = counters["train_time"], counters["window_tokens"], counters["window_time"]
+        eval_time = counters.get("eval_time", 0.0)  # absent from checkpoints written before it was counted
 
     bar = _progress(cfg, start_step) if distributed.is_main() else None
+    next_batch = batch_loader(corpus.train, cfg, data_gen, device)
+    batch = next_batch() if start_step < cfg.max_steps else None
     model.train()
     for step in range(start_step, cfg.max_steps + 1):
         record: dict[str, Any] = {"step": step, "tokens": tokens}
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.max_steps:
+            t_eval = time.perf_counter()
             last_val = evaluate(model, val_batches, device, precision)
+            eval_time += time.perf_counter() - t_eval
             if not math.isfinite(last_val):
                 diverged_step = step
                 break
@@ -323,13 +372,15 @@ def _fit(
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
-        x, y = distributed.rank_share(x, y, cfg.grad_accum)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        # Hooks exist only inside this block on telemetry steps; other steps run the bare model.
+        x, y = batch
+        # Hooks exist only inside this block on telemetry steps, on the eager modules; other steps run
+        # the bare (or compiled) model.
         watching = probe.active(step)
+        first_compiled = cfg.compile and compile_time is None and not watching
         with probe.watch() if watching else contextlib.nullcontext():
-            loss = distributed.mean(accumulate_gradients(net, x, y, cfg.grad_accum, scaler, device, precision))
+            loss = distributed.mean(
+                accumulate_gradients(net if watching else fast, x, y, cfg.grad_accum, scaler, device, precision)
+            )
         guard.observe(step, loss)
         scaler.unscale_(optimizer)
         if watching:
@@ -350,6 +401,8 @@ def _fit(
             loss_value = loss.item()
         telemetry = probe.collect(step) if watching else {}  # telemetry's one host transfer
         elapsed = time.perf_counter() - t0
+        if first_compiled:
+            compile_time = elapsed
         train_time += elapsed
         window_time += elapsed
         window_tokens += tokens_per_step
@@ -369,12 +422,24 @@ def _fit(
             bar.update(1)
 
         # A step boundary: step + 1 updates are done and every record up to `step` is emitted.
-        stop = distributed.any_rank(requested() is not None)
-        if stop or checkpointer.due(step + 1):
+        due = checkpointer.due(step + 1)
+        stop = requested() is not None
+        if distributed.is_active():
+            # A collective: all ranks ask at the same steps, so all stop at the same step.
+            asks = due or (step + 1) % PREEMPT_CHECK_EVERY == 0 or step + 1 == cfg.max_steps
+            stop = asks and distributed.any_rank(stop)
+        if stop or due:
             checkpointer.save(step + 1, components, loop_counters())
         if stop:
             distributed.barrier()  # no rank exits before rank 0's checkpoint is on disk
             raise Preempted(requested() or signal.SIGTERM, step + 1)
+        if step + 1 < cfg.max_steps:
+            # Drawn after the checkpoint, whose generator state is so the one before this batch.
+            t_fetch = time.perf_counter()
+            batch = next_batch()
+            fetch_time = time.perf_counter() - t_fetch
+            train_time += fetch_time
+            window_time += fetch_time
     if bar is not None:
         bar.close()
     if diverged_step is None:
@@ -398,6 +463,8 @@ def _fit(
         "n_params": sum(p.numel() for p in model.parameters()),
         "device": device.type,
         "precision": precision,
+        "eval_time_s": round(eval_time, 3),
+        **({"compile_time_s": round(compile_time, 3)} if compile_time is not None else {}),
     }
 
 

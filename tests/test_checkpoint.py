@@ -23,7 +23,7 @@ from normlab.model import GPT
 from normlab.sinks import MetricsFile, RunDir
 from normlab.train import train
 
-TIMING = ("tokens_per_s", "wall_time_s", "resumed_from_step")
+TIMING = ("tokens_per_s", "wall_time_s", "eval_time_s", "resumed_from_step")
 
 
 @pytest.fixture(autouse=True)

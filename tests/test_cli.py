@@ -118,3 +118,19 @@ def test_hub_dataset_without_network_fails_fast_with_one_line(tmp_path):
     [line] = result.stderr.strip().splitlines()
     assert "surely/not-a-cached-dataset" in line and "cache" in line
     assert elapsed < 15  # interpreter + torch import included; the hub check itself takes about a second at most
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
+def test_help_imports_no_heavy_module(argv, tmp_path):
+    # Help must answer in well under 2 s: importing torch, wandb or matplotlib alone takes seconds.
+    code = (
+        "import sys, contextlib, io\n"
+        "from normlab.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+        f"    main({argv!r})  # Hydra exits after printing its help\n"
+        "assert 'normlab' in out.getvalue()\n"
+        "print(sorted(m for m in ('torch', 'wandb', 'matplotlib', 'datasets') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -19,7 +19,6 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 
@@ -28,25 +27,11 @@ import torch  # noqa: E402
 from normlab.config import RunConfig, TelemetryConfig  # noqa: E402
 from normlab.train import train  # noqa: E402
 
+import bench  # noqa: E402  (scripts/ is on sys.path when a script of it runs)
 
-class WindowClock:
-    """A sink that notes the wall and CPU clocks whenever the loop logs a training step."""
 
-    def __init__(self):
-        self.marks: dict[int, tuple[float, float]] = {}
-
-    def log(self, record: dict[str, Any]) -> None:
-        if "loss" in record:
-            self.marks[record["step"]] = (time.perf_counter(), time.process_time())
-
-    def log_table(self, name, columns, rows) -> None:
-        pass
-
-    def log_image(self, name, png) -> None:
-        pass
-
-    def finish(self, summary, exit_code) -> None:
-        pass
+class WindowClock(bench.WindowClock):
+    """bench.py's clock sink, with the per-step times of each window between logged steps."""
 
     def windows(self, interval: int) -> list[tuple[float, float]]:
         """(wall, cpu) seconds per step of each window (s - interval, s], for s a positive multiple of interval."""

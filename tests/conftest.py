@@ -51,6 +51,15 @@ def _valid(norm: str, placement: str) -> bool:
 VALID_ARMS = [(n, p) for n in NORMS for p in PLACEMENTS if _valid(n, p)]
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test, whatever OMP_NUM_THREADS says (bit-exact comparisons need it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Token caches go to a per-session temp dir, never to ~/.cache."""

@@ -26,14 +26,8 @@ from normlab.train import train
 TIMING = ("tokens_per_s", "wall_time_s", "eval_time_s", "resumed_from_step")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Bit-exact comparisons need the same reduction order in every run; one thread also avoids
-    # oversubscribing a shared CPU.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Bit-exact comparisons need the same reduction order in every run: one torch thread.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(**overrides):

@@ -22,13 +22,8 @@ WORLD = 2
 STEPS = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The ranks train with one thread each; so do the single-process references (and a shared CPU is spared).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Bit-exact comparisons need the same reduction order in every run: one torch thread.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def free_port() -> int:

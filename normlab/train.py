@@ -15,15 +15,20 @@ telemetry steps and evaluation run the eager one (hooks attach to eager modules)
 reads device values (`.item()`) on logged steps only, the next batch is drawn, pinned and
 copied (non-blocking) once the current step is queued and checkpointed, and under DDP the
 ranks agree on a preemption request every PREEMPT_CHECK_EVERY steps, not with a collective per step.
+On glibc, freed host memory is kept for reuse (configure_host_allocator), so CPU steps do not
+page-fault on their activations.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
+import os
 import random
 import secrets
 import signal
+import sys
 import time
 from typing import Any
 
@@ -108,6 +113,34 @@ def configure_matmul(device: torch.device, tf32: bool) -> None:
         return
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
+
+
+# glibc's mallopt parameters (malloc.h) and the values normlab sets.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 * 2**20  # glibc's largest allowed value on 64-bit systems
+TRIM_THRESHOLD = 2**30
+
+
+def configure_host_allocator() -> bool:
+    """Let glibc's malloc keep freed host memory for reuse instead of giving it back to the OS.
+
+    With glibc's defaults, a CPU step's activations of a few MiB are mapped and unmapped again and
+    again, so a step touches thousands of fresh pages (about 3,000-11,000 page faults per step for
+    the default model, varying from process to process), and zeroing them costs a few percent of
+    the step. With blocks of up to 32 MiB served from the heap and up to 1 GiB of free heap kept,
+    steps stop faulting. Numerics are unchanged; the process's memory stays at its peak instead of
+    shrinking between steps. Process-wide; a no-op (returning False) without glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return False
+        mallopt = ctypes.CDLL(None).mallopt
+    except (ValueError, OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def autocast(device: torch.device, precision: str):
@@ -295,6 +328,7 @@ def _fit(
     precision = resolve_precision(cfg.precision, device)
     seed_everything(cfg.seed)
     configure_matmul(device, cfg.tf32)
+    configure_host_allocator()
     model = GPT(cfg).to(device)
     net = distributed.wrap(model, device, sync_batchnorm=cfg.norm.sync)  # `model` itself for one process
     # Telemetry steps and evaluation run eager `net`/`model`; checkpoints hold `model`, so no `_orig_mod.` keys.

@@ -10,12 +10,14 @@ loop with its guard, schedule, telemetry check, checkpoint cadence, metrics.json
 bar); a window is `log_every` steps between two logged steps, and the first window (warm-up,
 compilation) is not timed. The reference is a minimal GPT and loop written here: same shapes,
 pre-LN, tied head, SDPA, GELU MLP, AdamW with gradient clipping, the same data windows.
+`ref fp32 + normlab malloc` is that reference after the host allocator setting normlab's train()
+makes (normlab.train.configure_host_allocator), to separate the loops from the allocator.
 
 Printed: tokens/s; model FLOP/s and MFU, with model FLOPs per token = 6·N + 12·L·d·T (N: the
 weights of the matmuls, i.e. the blocks' linear layers and the head; L blocks, width d, sequence T;
 PaLM's estimate, Chowdhery et al. 2022, appendix B) against the peak matmul FLOP/s measured here
 for the dtype; peak memory (CUDA: max_memory_allocated; CPU: the process's peak RSS); normlab's
-step time over the reference's; the compile time; the cost of the loop's per-step extras; the
+step time over the reference's; minor page faults per step; the compile time; the cost of the loop's per-step extras; the
 norm's own cost beside the RMSNorm − LayerNorm step time difference; and the load average.
 """
 
@@ -40,6 +42,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+
+def minor_faults() -> int:
+    """The process's minor page faults so far: pages the OS had to map (and zero) on first touch."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
 
 # ----------------------------------------------------------------------------- the reference GPT
 
@@ -105,8 +112,8 @@ def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device
     tokens = load_corpus(cfg.data).train
     gen = torch.Generator().manual_seed(cfg.seed)  # the windows normlab draws
     amp = cfg.precision == "bf16"
-    times, cpu_times = [], []
-    t0, c0 = time.perf_counter(), time.process_time()
+    times, cpu_times, faults = [], [], []
+    t0, c0, f0 = time.perf_counter(), time.process_time(), minor_faults()
     for step in range(steps_per_window * (windows + 1)):
         x, y = sample_batch(tokens, cfg.batch_size, cfg.seq_len, gen)
         x, y = x.to(device), y.to(device)
@@ -119,11 +126,12 @@ def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % steps_per_window == 0:
             loss.item()  # a host sync per window, as a loop that logs
-            t1, c1 = time.perf_counter(), time.process_time()
+            t1, c1, f1 = time.perf_counter(), time.process_time(), minor_faults()
             times.append((t1 - t0) / steps_per_window)
             cpu_times.append((c1 - c0) / steps_per_window)
-            t0, c0 = t1, c1
-    return {"step_s": times[1:], "cpu_step_s": cpu_times[1:]}
+            faults.append((f1 - f0) / steps_per_window)
+            t0, c0, f0 = t1, c1, f1
+    return {"step_s": times[1:], "cpu_step_s": cpu_times[1:], "faults": faults[1:]}
 
 
 # ----------------------------------------------------------------------------- normlab's loop
@@ -137,7 +145,7 @@ class WindowClock:
 
     def log(self, record: dict[str, Any]) -> None:
         if "loss" in record:
-            self.marks[record["step"]] = (time.perf_counter(), time.process_time())
+            self.marks[record["step"]] = (time.perf_counter(), time.process_time(), minor_faults())
 
     def log_table(self, name, columns, rows) -> None:
         pass
@@ -163,6 +171,7 @@ def run_normlab(cfg, windows: int) -> dict[str, Any]:
     return {
         "step_s": [(clock.marks[e][0] - clock.marks[e - k][0]) / k for e in ends],
         "cpu_step_s": [(clock.marks[e][1] - clock.marks[e - k][1]) / k for e in ends],
+        "faults": [(clock.marks[e][2] - clock.marks[e - k][2]) / k for e in ends],
         "compile_time_s": summary.get("compile_time_s"),
     }
 
@@ -291,6 +300,7 @@ def compose(overrides: list[str]):
 VARIANTS = {
     # name: (loop, precision, compile, telemetry, norm or None for the config's)
     "ref fp32": ("ref", "fp32", False, False, None),
+    "ref fp32 + normlab malloc": ("ref-malloc", "fp32", False, False, None),
     "normlab fp32": ("normlab", "fp32", False, False, None),
     "normlab fp32 telemetry": ("normlab", "fp32", False, True, None),
     "normlab fp32 compile": ("normlab", "fp32", True, False, None),
@@ -318,7 +328,14 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     # The peak is measured in every worker, beside the variant; the report takes the best.
     result_peak = {p: peak_matmul_flops(dt, device) for p, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
-    result = run_reference(cfg, cfg.log_every, spec["windows"], device) if loop == "ref" else run_normlab(cfg, spec["windows"])
+    if loop == "ref-malloc":  # the reference with the host allocator setting normlab's train() makes
+        from normlab.train import configure_host_allocator
+
+        configure_host_allocator()
+    if loop.startswith("ref"):
+        result = run_reference(cfg, cfg.log_every, spec["windows"], device)
+    else:
+        result = run_normlab(cfg, spec["windows"])
     if device.type == "cuda":
         result["peak_mem_mib"] = torch.cuda.max_memory_allocated() / 2**20
     else:
@@ -350,7 +367,7 @@ def main() -> int:
         print(f"bench.py: error: unknown variant {unknown[0]!r}: choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     results: dict[str, dict[str, list]] = {
-        n: {"step_s": [], "cpu_step_s": [], "compile_time_s": [], "peak_mem_mib": []} for n in names
+        n: {"step_s": [], "cpu_step_s": [], "faults": [], "compile_time_s": [], "peak_mem_mib": []} for n in names
     }
     peaks = {"fp32": 0.0, "bf16": 0.0}
     loads = [os.getloadavg()[0]]
@@ -366,6 +383,7 @@ def main() -> int:
             out = json.loads(proc.stdout.strip().splitlines()[-1])
             results[name]["step_s"] += out["step_s"]
             results[name]["cpu_step_s"] += out["cpu_step_s"]
+            results[name]["faults"] += out["faults"]
             peaks = {p: max(peaks[p], out["peak_flops"][p]) for p in peaks}
             results[name]["peak_mem_mib"].append(out["peak_mem_mib"])
             if out.get("compile_time_s") is not None:
@@ -392,7 +410,7 @@ def main() -> int:
           f"load average (1 min) {min(loads):.2f}–{max(loads):.2f}, at the end {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print()
     print(f"{'variant':<32}{'ms/step':>9}{'tokens/s':>10}{'GFLOP/s':>9}{'MFU':>7}{'peak MiB':>10}{'vs ref':>8}"
-          f"{'cpu ms/step':>13}{'cpu vs ref':>12}{'compile s':>11}")
+          f"{'cpu ms/step':>13}{'cpu vs ref':>12}{'faults/step':>13}{'compile s':>11}")
     for n in names:
         precision = VARIANTS[n][1]
         tok_s = tokens_per_step / step[n]
@@ -402,9 +420,11 @@ def main() -> int:
         compile_s = f"{statistics.median(results[n]['compile_time_s']):.1f}" if results[n]["compile_time_s"] else ""
         print(f"{n:<32}{1e3 * step[n]:>9.1f}{tok_s:>10.0f}{tok_s * flops_tok / 1e9:>9.2f}"
               f"{100 * tok_s * flops_tok / peaks[precision]:>6.1f}%{max(results[n]['peak_mem_mib']):>10.0f}"
-              f"{ratio:>8}{1e3 * cpu[n]:>13.1f}{cpu_ratio:>12}{compile_s:>11}")
+              f"{ratio:>8}{1e3 * cpu[n]:>13.1f}{cpu_ratio:>12}{statistics.median(results[n]['faults']):>13.0f}"
+              f"{compile_s:>11}")
     print("vs ref = reference step time / normlab step time (>= 1: normlab at least as fast), by wall clock and by "
           "process CPU time (less sensitive to other load with --threads 1); "
+          "faults/step = minor page faults per step (fresh pages the OS maps and zeroes); "
           "compile s = the first compiled step's wall time (median over rounds; the first round compiles cold)")
     for n in names:
         if results[n]["compile_time_s"]:

@@ -376,7 +376,8 @@ def _render_heatmap(grid, row_labels: list[str], steps: list[int], title: str) -
 
     finite = grid[np.isfinite(grid)]
     log_scale = finite.size > 0 and finite.min() > 0 and finite.max() > 10 * finite.min()
-    fig = Figure(figsize=(max(5.0, 0.3 * len(steps) + 2.5), max(2.5, 0.35 * len(row_labels) + 1.2)), dpi=100)
+    width = min(10.0, max(5.0, 0.3 * len(steps) + 2.5))  # wider grows the PNG (and its render time), not legibility
+    fig = Figure(figsize=(width, max(2.5, 0.35 * len(row_labels) + 1.2)), dpi=100)
     ax = fig.add_subplot()
     image = ax.imshow(
         np.ma.masked_invalid(grid),

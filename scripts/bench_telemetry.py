@@ -37,7 +37,7 @@ class WindowClock(bench.WindowClock):
         """(wall, cpu) seconds per step of each window (s - interval, s], for s a positive multiple of interval."""
         out = []
         for end in sorted(s for s in self.marks if s > 0 and s % interval == 0):
-            (w0, c0), (w1, c1) = self.marks[end - interval], self.marks[end]
+            (w0, c0, _), (w1, c1, _) = self.marks[end - interval], self.marks[end]
             out.append(((w1 - w0) / interval, (c1 - c0) / interval))
         return out
 

@@ -9,7 +9,8 @@ over all timed windows of all rounds. A normlab variant is a real `normlab.train
 loop with its guard, schedule, telemetry check, checkpoint cadence, metrics.jsonl and progress
 bar); a window is `log_every` steps between two logged steps, and the first window (warm-up,
 compilation) is not timed. The reference is a minimal GPT and loop written here: same shapes,
-pre-LN, tied head, SDPA, GELU MLP, AdamW with gradient clipping, the same data windows.
+pre-LN, tied head, SDPA, GELU MLP, AdamW with gradient clipping, the same data windows, and the
+same optimizer settings and learning-rate schedule as the normlab run.
 `ref fp32 + normlab malloc` is that reference after the host allocator setting normlab's train()
 makes (normlab.train.configure_host_allocator), to separate the loops from the allocator.
 
@@ -97,7 +98,12 @@ class RefGPT(nn.Module):
 
 
 def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device) -> dict[str, Any]:
+    """The hand-written loop. It trains as normlab's run does (AdamW's betas, eps and weight decay, the
+    clipping threshold, normlab's warmup + cosine schedule over the same max_steps), so both loops
+    follow comparable trajectories: CPU kernels are not equally fast on all values (weights still
+    in warmup ran bf16 steps ~5% slower than weights trained at full lr)."""
     from normlab.data import load_corpus, sample_batch
+    from normlab.train import lr_at
 
     torch.manual_seed(cfg.seed)
     norm = nn.RMSNorm if cfg.norm.name == "rms" else nn.LayerNorm
@@ -106,9 +112,10 @@ def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-        lr=cfg.lr, fused=device.type == "cuda",
+        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=device.type == "cuda",
     )
+    cfg.max_steps = normlab_max_steps(steps_per_window, windows)  # the schedule normlab's run follows
     tokens = load_corpus(cfg.data).train
     gen = torch.Generator().manual_seed(cfg.seed)  # the windows normlab draws
     amp = cfg.precision == "bf16"
@@ -117,11 +124,13 @@ def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device
     for step in range(steps_per_window * (windows + 1)):
         x, y = sample_batch(tokens, cfg.batch_size, cfg.seq_len, gen)
         x, y = x.to(device), y.to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % steps_per_window == 0:
@@ -157,12 +166,18 @@ class WindowClock:
         pass
 
 
+def normlab_max_steps(steps_per_window: int, windows: int) -> int:
+    """A warm-up window, the timed windows, and two steps more: the last step (always logged, a telemetry
+    step) falls outside the windows."""
+    return steps_per_window * (windows + 1) + 2
+
+
 def run_normlab(cfg, windows: int) -> dict[str, Any]:
     from normlab.sinks import MetricsFile, RunDir
     from normlab.train import train
 
     k = cfg.log_every
-    cfg.max_steps = k * (windows + 1) + 2  # the last step (always logged, a telemetry step) falls outside the windows
+    cfg.max_steps = normlab_max_steps(k, windows)
     cfg.eval_every = 0  # evaluation only at the end, outside the windows
     with tempfile.TemporaryDirectory() as run_dir:
         clock = WindowClock()

@@ -18,8 +18,9 @@ Printed: tokens/s; model FLOP/s and MFU, with model FLOPs per token = 6·N + 12�
 weights of the matmuls, i.e. the blocks' linear layers and the head; L blocks, width d, sequence T;
 PaLM's estimate, Chowdhery et al. 2022, appendix B) against the peak matmul FLOP/s measured here
 for the dtype; peak memory (CUDA: max_memory_allocated; CPU: the process's peak RSS); normlab's
-step time over the reference's; minor page faults per step; the compile time; the cost of the loop's per-step extras; the
-norm's own cost beside the RMSNorm − LayerNorm step time difference; and the load average.
+step time over the reference's; minor page faults per step; the compile time; the cost of the
+loop's per-step extras; the norm's own cost beside the RMSNorm − LayerNorm step time difference;
+and the load average.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+
 
 def minor_faults() -> int:
     """The process's minor page faults so far: pages the OS had to map (and zero) on first touch."""
@@ -100,8 +102,8 @@ class RefGPT(nn.Module):
 def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device) -> dict[str, Any]:
     """The hand-written loop. It trains as normlab's run does (AdamW's betas, eps and weight decay, the
     clipping threshold, normlab's warmup + cosine schedule over the same max_steps), so both loops
-    follow comparable trajectories: CPU kernels are not equally fast on all values (weights still
-    in warmup ran bf16 steps ~5% slower than weights trained at full lr)."""
+    follow comparable trajectories: step times depend a little on the values computed (bf16 steps
+    on weights still in warmup ran a few percent slower than at full lr from step 0)."""
     from normlab.data import load_corpus, sample_batch
     from normlab.train import lr_at
 

@@ -99,7 +99,15 @@ class RefGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device) -> dict[str, Any]:
+def reference_gpt(cfg) -> nn.Module:
+    """The hand-written GPT at the config's shapes, with torch's LayerNorm (RMSNorm for norm=rms)."""
+    norm = nn.RMSNorm if cfg.norm.name == "rms" else nn.LayerNorm
+    m = cfg.model
+    return RefGPT(m.vocab_size, m.context, m.d_model, m.n_head, cfg.depth, norm)
+
+
+def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device,
+                  build=reference_gpt) -> dict[str, Any]:
     """The hand-written loop. It trains as normlab's run does (AdamW's betas, eps and weight decay, the
     clipping threshold, normlab's warmup + cosine schedule over the same max_steps), so both loops
     follow comparable trajectories: step times depend a little on the values computed (bf16 steps
@@ -108,9 +116,7 @@ def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device
     from normlab.train import lr_at
 
     torch.manual_seed(cfg.seed)
-    norm = nn.RMSNorm if cfg.norm.name == "rms" else nn.LayerNorm
-    m = cfg.model
-    model = RefGPT(m.vocab_size, m.context, m.d_model, m.n_head, cfg.depth, norm).to(device)
+    model = build(cfg).to(device)  # `build`: the model the loop trains, from the config
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(

@@ -40,7 +40,6 @@ def main() -> int:
 
     configure_host_allocator()
     overrides = [*args.overrides, "wandb.mode=disabled", "telemetry.every=0", "progress=false"]
-    reference_gpt = bench.RefGPT
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
         for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
@@ -48,11 +47,10 @@ def main() -> int:
             if name == "normlab":
                 out = bench.run_normlab(cfg, args.windows)
             else:
-                bench.RefGPT = (lambda *_, cfg=cfg: GPT(cfg)) if name == "ref loop, normlab GPT" else reference_gpt
-                out = bench.run_reference(cfg, cfg.log_every, args.windows, torch.device("cpu"))
+                build = GPT if name == "ref loop, normlab GPT" else bench.reference_gpt
+                out = bench.run_reference(cfg, cfg.log_every, args.windows, torch.device("cpu"), build)
             times[name] += out["step_s"]
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    bench.RefGPT = reference_gpt
 
     print(f"in one process, {args.threads} thread(s), {args.rounds} rounds x {args.windows} windows, medians; "
           f"overrides: {' '.join(args.overrides) or '(defaults)'}")

@@ -368,7 +368,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line: overrides and options (and --worker, which the driver passes to its subprocesses)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="normlab Hydra overrides, e.g. norm=rms depth=6")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved variants")
@@ -376,7 +377,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0

@@ -43,7 +43,8 @@ def main() -> None:
     repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     conf = Path(__file__).resolve().parent.parent / "conf" / "model" / f"{preset}.yaml"
     raw = yaml.safe_load(conf.read_text())
-    cfg = RunConfig.from_dict({"depth": raw.get("depth", 4), "model": raw["model"]})
+    # The preset's keys at the top level too: tiny sets seq_len below the default, to fit its context.
+    cfg = RunConfig.from_dict({key: raw[key] for key in ("depth", "seq_len", "model") if key in raw})
     components = build(cfg)
     loop = dict(tokens=0, best_val=5.0, last_val=5.0, train_time=1.0, window_tokens=0, window_time=0.0)
     with tempfile.TemporaryDirectory() as tmp:

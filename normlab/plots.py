@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from .compare import Arm, Comparison, Run, condition_label, mean_std, order_key
+from .analysis import Arm, Comparison, Run, condition_label, mean_std, order_key
 from .config import NORMS, PLACEMENTS
 
 LOSS_CURVES = (("loss", "loss_train.png", "training loss"), ("val_loss", "loss_val.png", "validation loss"))

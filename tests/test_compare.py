@@ -12,14 +12,8 @@ from pathlib import Path
 import pytest
 
 from normlab import cli
-from normlab.compare import (
-    CompareError,
-    build_comparison,
-    compare,
-    find_run_dirs,
-    load_run,
-    lr_sensitivity,
-)
+from normlab.analysis import build_comparison, find_run_dirs, load_run, lr_sensitivity
+from normlab.compare import compare
 from normlab.config import format_lr
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -365,7 +359,7 @@ def test_bad_paths_give_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args,
 def test_normlab_help_and_compare_do_not_import_torch_or_wandb():
     code = (
         "import sys, normlab.cli; normlab.cli.main(['--help']); heavy = {'torch', 'wandb', 'matplotlib'} & set(sys.modules); "
-        "import normlab.compare, normlab.report, normlab.plots; "
+        "import normlab.analysis, normlab.compare, normlab.report, normlab.plots; "
         "print(sorted(heavy), sorted({'torch', 'wandb'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from . import keys
 from .config import NORMS, PLACEMENTS, format_lr
 
 SUMMARY = "summary.json"
@@ -31,21 +31,10 @@ SUMMARY_TO_CONFIG = {"norm": "norm.name", "placement": "placement", "depth": "de
 # Config keys that may differ inside one arm: lr is the sweep's axis, seed makes replicates,
 # the rest only change bookkeeping, logging or where the run ran, not its losses.
 NOT_ARM_KEYS = ("lr", "seed", "name", "progress", "device", "compile", "log_every", "wandb.", "data.cache_dir", "telemetry.")
-LAYER_KEY = re.compile(r"^(?P<stat>.+)/L(?P<layer>\d+)$")
 
 
 class CompareError(Exception):
     """Input compare cannot use; the message is one line."""
-
-
-def to_float(value: Any) -> float:
-    """A loss as metrics.jsonl/summary.json write it (number, null for NaN, "inf"/"-inf") as a float."""
-    if value is None:
-        return math.nan
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def order_key(value: Any, known: tuple[str, ...]) -> tuple:
@@ -87,7 +76,7 @@ class Run:
 
     @property
     def lr(self) -> float:
-        return to_float(self.settings.get("lr"))
+        return keys.to_float(self.settings.get("lr"))
 
     @property
     def seed(self) -> int | None:
@@ -112,27 +101,27 @@ class Run:
     @property
     def final_val_loss(self) -> float:
         if "final_val_loss" in self.summary:
-            return to_float(self.summary["final_val_loss"])
+            return keys.to_float(self.summary["final_val_loss"])
         steps, values = self.curve("val_loss")
         return values[-1] if steps else math.nan
 
     @property
     def best_val_loss(self) -> float:
         if "best_val_loss" in self.summary:
-            return to_float(self.summary["best_val_loss"])
+            return keys.to_float(self.summary["best_val_loss"])
         _, values = self.curve("val_loss")
         return min(values, default=math.nan)
 
     @property
     def tokens_per_s(self) -> float:
-        return to_float(self.summary.get("tokens_per_s"))
+        return keys.to_float(self.summary.get("tokens_per_s"))
 
     @property
     def init_loss(self) -> float:
         """ℓ₀: the validation loss at initialization (step 0), NaN if step 0 was not evaluated."""
         for row in self.rows:
             if row.get("step") == 0 and "val_loss" in row:
-                return to_float(row["val_loss"])
+                return keys.to_float(row["val_loss"])
         return math.nan
 
     @property
@@ -154,7 +143,7 @@ class Run:
         steps, values = [], []
         for row in self.rows:
             if key in row and "step" in row and row["step"] < self._cut():
-                value = to_float(row[key])
+                value = keys.to_float(row[key])
                 if math.isfinite(value):
                     steps.append(row["step"])
                     values.append(value)
@@ -163,24 +152,13 @@ class Run:
     def layer_profile(self, stat: str, which: str) -> dict[int, float]:
         """{layer index: value} of per-layer statistic `stat` (e.g. 'grad/norm') at the first or last
         telemetry row before any divergence; `which` is 'first' or 'last'. Empty if the run has none."""
-        rows = [row for row in self.rows if row.get("step", math.inf) < self._cut() and _layer_values(row, stat)]
+        rows = [row for row in self.rows if row.get("step", math.inf) < self._cut() and keys.layer_values(row, stat)]
         if not rows:
             return {}
-        return _layer_values(rows[0] if which == "first" else rows[-1], stat)
+        return keys.layer_values(rows[0] if which == "first" else rows[-1], stat)
 
     def has_layer_stat(self, stat: str) -> bool:
-        return any(_layer_values(row, stat) for row in self.rows)
-
-
-def _layer_values(row: Mapping[str, Any], stat: str) -> dict[int, float]:
-    values = {}
-    for key, raw in row.items():
-        match = LAYER_KEY.match(key)
-        if match and match["stat"] == stat:
-            value = to_float(raw)
-            if math.isfinite(value):
-                values[int(match["layer"])] = value
-    return values
+        return any(keys.layer_values(row, stat) for row in self.rows)
 
 
 def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:

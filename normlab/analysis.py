@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from . import keys
-from .config import NORMS, PLACEMENTS, format_lr
+from .config import NORMS, PLACEMENTS, bookkeeping_keys, format_lr
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
@@ -28,9 +28,9 @@ HYDRA_CONFIG = Path(".hydra") / "config.yaml"
 
 # Summary keys, and the .hydra/config.yaml keys they fall back to.
 SUMMARY_TO_CONFIG = {"norm": "norm.name", "placement": "placement", "depth": "depth", "lr": "lr", "seed": "seed"}
-# Config keys that may differ inside one arm: lr is the sweep's axis, seed makes replicates,
-# the rest only change bookkeeping, logging or where the run ran, not its losses.
-NOT_ARM_KEYS = ("lr", "seed", "name", "progress", "device", "compile", "log_every", "wandb.", "data.cache_dir", "telemetry.")
+# Config keys that may differ inside one arm: lr is the sweep's axis, seed makes replicates, and the
+# schema's bookkeeping keys (a key under a listed sub-config too) change no number of the result.
+NOT_ARM_KEYS = ("lr", "seed", *bookkeeping_keys())
 
 
 class CompareError(Exception):
@@ -269,7 +269,7 @@ def arm_keys(runs: list[Run]) -> list[str]:
     return [
         k
         for k in varying
-        if k not in ("norm.name", "placement") and not any(k == p or (p.endswith(".") and k.startswith(p)) for p in NOT_ARM_KEYS)
+        if k not in ("norm.name", "placement") and not any(k == p or k.startswith(p + ".") for p in NOT_ARM_KEYS)
     ]
 
 

@@ -243,6 +243,21 @@ def test_config_keys_that_differ_split_arms_but_lr_and_seed_do_not(tmp_path):
     assert [p.lr for p in comparison.arms[0].points] == [1e-3, 1e-2, 1e-1]
 
 
+def test_runs_that_differ_only_in_bookkeeping_are_one_arm(tmp_path):
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "a", lr=1e-3, extra_config=["ckpt:", "  every: 100", "resume: auto"])
+    write_run(sweep / "b", lr=1e-2, extra_config=["ckpt:", "  every: 5", "  keep: 3", "resume: null", "tf32: false"])
+    # resumed from a checkpoint: resume=PATH is written into its config
+    write_run(sweep / "c", lr=1e-1, extra_config=["ckpt:", "  every: 100", "resume: /scratch/run/checkpoints/step-000120.pt"])
+    [arm] = build_comparison(find_run_dirs([sweep])).arms
+    assert arm.arm.label == "rms-pre" and len(arm.runs) == 3
+    # a key that changes the result still splits the arm
+    write_run(tmp_path / "other" / "d", lr=1e-3, extra_config=["resume: auto", "optim:", "  warmup_steps: 7"])
+    write_run(tmp_path / "other" / "e", lr=1e-3, extra_config=["resume: /x/step-000004.pt", "optim:", "  warmup_steps: 50"])
+    labels = [a.arm.label for a in build_comparison(find_run_dirs([tmp_path / "other"])).arms]
+    assert labels == ["rms-pre optim.warmup_steps=7", "rms-pre optim.warmup_steps=50"]
+
+
 def test_runs_are_found_recursively_but_not_inside_wandb_or_hidden_dirs(tmp_path):
     outputs = tmp_path / "outputs"
     write_run(outputs / "runs" / "r1")

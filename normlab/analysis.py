@@ -1,7 +1,7 @@
 """The comparison's analysis: run dirs read back, grouped into arms, and each arm's LR sensitivity.
 
-A run dir is any directory holding summary.json (next to metrics.jsonl and Hydra's
-.hydra/config.yaml). Runs are grouped into arms: norm × placement, split further by
+A run dir is any directory holding summary.json (next to metrics.jsonl and config.json, the
+run's RunConfig as train() writes it). Runs are grouped into arms: norm × placement, split further by
 any other config key whose value differs between the runs (depth, init, warmup, ...),
 except the learning rate (the sweep's axis) and the seed (replicates). For each arm
 this module computes the LR sensitivity of Wortsman et al. 2023 and the seed mean and
@@ -24,9 +24,10 @@ from .config import NORMS, PLACEMENTS, bookkeeping_keys, format_lr
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
-HYDRA_CONFIG = Path(".hydra") / "config.yaml"
+CONFIG = "config.json"
+HYDRA_CONFIG = Path(".hydra") / "config.yaml"  # read only in run dirs without config.json
 
-# Summary keys, and the .hydra/config.yaml keys they fall back to.
+# Summary keys, and the config keys they fall back to.
 SUMMARY_TO_CONFIG = {"norm": "norm.name", "placement": "placement", "depth": "depth", "lr": "lr", "seed": "seed"}
 # Config keys that may differ inside one arm: lr is the sweep's axis, seed makes replicates, and the
 # schema's bookkeeping keys (a key under a listed sub-config too) change no number of the result.
@@ -182,14 +183,17 @@ def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def load_run(path: Path) -> Run:
-    """Read one run dir. Raises CompareError if its summary.json is not a JSON object."""
+    """Read one run dir: summary.json, its config (see _read_config) and metrics.jsonl.
+
+    Raises CompareError if its summary.json is not a JSON object.
+    """
     try:
         summary = json.loads((path / SUMMARY).read_text())
     except (OSError, ValueError) as err:
         raise CompareError(f"{path / SUMMARY}: unreadable ({err})") from err
     if not isinstance(summary, dict):
         raise CompareError(f"{path / SUMMARY}: not a JSON object")
-    settings = _read_config(path / HYDRA_CONFIG)
+    settings = _read_config(path)
     for summary_key, config_key in SUMMARY_TO_CONFIG.items():
         if summary.get(summary_key) is not None:
             settings[config_key] = summary[summary_key]
@@ -197,14 +201,26 @@ def load_run(path: Path) -> Run:
     return Run(path=path, summary=summary, settings=settings, rows=rows, bad_lines=bad_lines)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    from omegaconf import OmegaConf
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    """The run's config as flat dotted keys, from normlab's own <run dir>/config.json (RunConfig.to_dict()).
 
-    try:
-        container = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    except Exception:  # a damaged config costs only the fallback keys, not the run
+    Run dirs written before normlab wrote config.json have only Hydra's .hydra/config.yaml: that is
+    read instead, and only then. A missing or damaged config gives {}: it costs the run every config
+    key but those its summary.json holds, not its place in the comparison.
+    """
+    if (run_dir / CONFIG).is_file():
+        try:
+            container = json.loads((run_dir / CONFIG).read_text())
+        except (OSError, ValueError):
+            return {}
+    elif (run_dir / HYDRA_CONFIG).is_file():
+        from omegaconf import OmegaConf
+
+        try:
+            container = OmegaConf.to_container(OmegaConf.load(run_dir / HYDRA_CONFIG), resolve=False)
+        except Exception:  # OmegaConf raises a variety of errors on a damaged file
+            return {}
+    else:
         return {}
     return _flatten(container) if isinstance(container, dict) else {}
 
@@ -264,7 +280,7 @@ class Arm:
 def arm_keys(runs: list[Run]) -> list[str]:
     """Config keys beyond norm and placement that split runs into arms: those whose values differ."""
     keys = sorted({k for run in runs for k in run.settings})
-    # A run without .hydra/config.yaml lacks most keys: that alone must not split the arms.
+    # A run without a config file lacks most keys: that alone must not split the arms.
     varying = [k for k in keys if len({repr(run.settings[k]) for run in runs if k in run.settings}) > 1]
     return [
         k

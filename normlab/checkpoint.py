@@ -33,14 +33,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import RunConfig
+from .config import RunConfig, bookkeeping_keys
 
 FORMAT = "normlab-checkpoint/1"
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 
-# Config keys a resumed run may change: they change neither the data nor the arithmetic of training.
-MAY_CHANGE_ON_RESUME = ("resume", "ckpt", "progress", "fail_fast", "device", "compile", "tf32", "wandb", "data.cache_dir")
+# Config keys a resumed run may change: the schema's bookkeeping, which changes no number of the result.
+MAY_CHANGE_ON_RESUME = bookkeeping_keys()
 
 
 class CheckpointError(RuntimeError):

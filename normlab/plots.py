@@ -17,16 +17,15 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from .compare import Arm, Comparison, Run, condition_label, mean_std, order_key
+from . import keys
+from .analysis import Arm, Comparison, Run, condition_label, mean_std, order_key
 from .config import NORMS, PLACEMENTS
 
 LOSS_CURVES = (("loss", "loss_train.png", "training loss"), ("val_loss", "loss_val.png", "validation loss"))
 LOSS_VS_LR = "final_val_loss_vs_lr.png"
-# metrics.jsonl key prefix (…/L03) -> file, axis label
-LAYER_STATS = (
-    ("grad/norm", "layers_grad_norm.png", "gradient norm"),
-    ("act/resid_rms", "layers_resid_rms.png", "residual-stream RMS"),
-)
+# The file of each per-layer statistic that keys.LAYER_PROFILES names; one added there without a file
+# here is drawn into layers_<stat with '/' as '_'>.png.
+LAYER_PROFILE_FILES = {keys.GRAD_NORM: "layers_grad_norm.png", keys.RESID_RMS: "layers_resid_rms.png"}
 PLACEMENT_STYLES = ("-", "--", ":", "-.")
 EXTRAS_MARKERS = ("o", "s", "^", "D", "v", "P", "*", "h")
 DIVERGED_MARKER = dict(marker="x", markersize=9, markeredgewidth=2, linestyle="none")
@@ -72,7 +71,8 @@ def write_plots(comparison: Comparison, out: Path) -> list[Plot]:
     for key, file, label in LOSS_CURVES:
         plots.append(_loss_curves(comparison, style, key, label, out / file))
     plots.append(_loss_vs_lr(comparison, style, out / LOSS_VS_LR))
-    for stat, file, label in LAYER_STATS:
+    for stat, label, _ in keys.LAYER_PROFILES:
+        file = LAYER_PROFILE_FILES.get(stat, f"layers_{stat.replace('/', '_')}.png")
         plots.append(_layer_profiles(comparison, style, stat, label, out / file))
     for plot in plots:
         if plot.skipped:  # a stale file from an earlier report would contradict report.md

@@ -225,6 +225,10 @@ def run_train(argv: list[str]) -> int:
         return _fail(err)
     except Exception as err:  # Hydra's override grammar: one line is enough
         return _fail(f"could not parse the overrides: {str(err).splitlines()[0]}")
+    if args.multirun and any(o.startswith("hydra/launcher=") for o in args.overrides):
+        refusal = _slurm_preflight(args.overrides, config_dirs)
+        if refusal:
+            return _fail(refusal)
 
     from . import distributed
 
@@ -239,6 +243,20 @@ def run_train(argv: list[str]) -> int:
     finally:
         distributed.shutdown()
     return 0
+
+
+def _slurm_preflight(overrides: list[str], config_dirs: list[str]) -> str | None:
+    """For a sweep on submitit's SLURM launcher: SLURM's refusal of its settings as one line, else None
+    (and submitit's repeated sacct warnings shown once)."""
+    from . import slurm
+
+    launcher = slurm.launcher_config(CONFIG_MODULE, overrides, config_dirs)
+    if launcher is None:
+        return None
+    refusal = slurm.preflight(launcher)
+    if refusal is None:
+        slurm.quiet_sacct()
+    return refusal
 
 
 def _fail(err) -> int:

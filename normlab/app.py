@@ -12,6 +12,7 @@ saved, hands the signal on (to submitit's requeue, when there is one).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import secrets
@@ -274,6 +275,8 @@ def _task(cfg: DictConfig) -> float:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    if not distributed.is_active() and distributed.init_from_env():  # a SLURM job of several tasks
+        atexit.register(distributed.shutdown)
     try:
         run_cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
         distributed.check_batch_split(run_cfg)

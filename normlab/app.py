@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 import secrets
 import sys
 import time
@@ -265,6 +266,17 @@ def _fail(err) -> int:
     return 2
 
 
+def _stop(err) -> float:
+    """Bad input found by a job: one line, then exit code 2. In a submitit job (one task of a SLURM array)
+    the job stops alone and the sweep goes on: it returns NaN, as a failed arm does, since submitit
+    records no result for a job that exits, and its launcher would wait for one."""
+    code = _fail(err)
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        log.error("%s", err)
+        return math.nan
+    sys.exit(code)
+
+
 def _task(cfg: DictConfig) -> float:
     """One Hydra job. Returns the final validation loss (NaN when diverged or failed) for sweepers to optimize."""
     from hydra.core.hydra_config import HydraConfig
@@ -281,7 +293,7 @@ def _task(cfg: DictConfig) -> float:
         run_cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
         distributed.check_batch_split(run_cfg)
     except ConfigError as err:
-        sys.exit(_fail(err))
+        return _stop(err)
     if multirun and run_cfg.wandb.group is None:
         run_cfg.wandb.group = Path(hc.sweep.dir).name
 
@@ -293,7 +305,7 @@ def _task(cfg: DictConfig) -> float:
         with preempt.watch() as previous_handlers:
             summary = train(run_cfg, hc.runtime.output_dir)
     except (DataError, CheckpointError) as err:  # bad input, like a bad config value: one line, not a traceback
-        sys.exit(_fail(err))
+        return _stop(err)
     except preempt.Preempted as stop:
         log.warning("%s: %s; resume=auto in this run dir continues it", run_name(run_cfg), stop)
         print(f"normlab: {run_name(run_cfg)} {stop}", file=sys.stderr)

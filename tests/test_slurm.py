@@ -123,7 +123,8 @@ def test_a_preset_the_cluster_refuses_is_one_line_and_nothing_is_queued(cluster,
     [line] = err.strip().splitlines()
     assert line.startswith("normlab: error: SLURM refused the job: ") and reason in line and key in line
     assert not (tmp_path / "sweep").exists()
-    assert subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True).stdout.split() == before
+    after = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True).stdout.split()
+    assert set(after) <= set(before)  # no new job (earlier tests' jobs may still be leaving the queue)
 
 
 def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, tmp_path):
@@ -182,4 +183,4 @@ def test_one_job_of_two_tasks_trains_with_ddp_like_torchrun(cluster, tmp_path):
     # Two processes sum the gradients in another order than one: equal within fp32 rounding (README).
     compared = [(a[k], b[k]) for a, b in zip(got, want) for k in ("loss", "val_loss") if k in a]
     assert len(compared) >= 6 and all(math.isclose(x, y, rel_tol=1e-4) for x, y in compared)
-    assert len(list((tmp_path / "slurm" / ".submitit").glob("*_0/*_0_1_log.out"))) == 1  # task 1's log: two tasks ran
+    assert len(list((tmp_path / "slurm" / ".submitit").rglob("*_1_log.out"))) == 1  # task 1's log: two tasks ran

@@ -20,15 +20,16 @@ import tempfile
 from pathlib import Path
 
 # sbatch's reason (a fragment, lower case) → the launcher key that changes it, and the value to suggest.
+# The first match counts ("Invalid account or account/partition combination" is about the account).
 REFUSALS = (
     ("generic resource", "gpus_per_node", "0"),
     ("gres", "gpus_per_node", "0"),
+    ("account", "account", "<yours>"),
+    ("qos", "qos", "<allowed>"),
     ("partition", "partition", "{partitions}"),
     ("memory", "mem_gb", "<at most {memory_gb}>"),
     ("node configuration is not available", "cpus_per_task", "<at most {cpus}> or hydra.launcher.mem_gb=<at most {memory_gb}>"),
     ("time limit", "timeout_min", "<less>"),
-    ("account", "account", "<yours>"),
-    ("qos", "qos", "<allowed>"),
 )
 CPU_HINT = " (e.g. hydra/launcher=slurm_cpu for a CPU partition)"
 
@@ -61,11 +62,12 @@ def refusal_message(reason: str) -> str:
     else:
         return f"SLURM refused the job: {reason}: change the hydra.launcher setting it names{CPU_HINT}"
     names = _sinfo("%R")
-    sizes = [line.split() for line in _sinfo("%c %m")]  # CPUs and MB of memory per node
+    # CPUs and MB of memory per node; sinfo marks a range of node sizes with "+" ("2+").
+    sizes = [[int(n.rstrip("+")) for n in line.split()] for line in _sinfo("%c %m")]
     value = value.format(
         partitions=names[0] if len(names) == 1 else "<" + "|".join(names or ["name"]) + ">",
-        cpus=max((int(c) for c, _ in sizes), default="?"),
-        memory_gb=max((int(m) // 1024 for _, m in sizes), default="?"),
+        cpus=max((c for c, _ in sizes), default="?"),
+        memory_gb=max((m // 1024 for _, m in sizes), default="?"),
     )
     hint = CPU_HINT if key in ("gpus_per_node", "partition") else ""
     return f"SLURM refused the job: {reason}: set hydra.launcher.{key}={value}{hint}"

@@ -3,7 +3,7 @@
 The sweeps go through the real `normlab` command and `hydra/launcher=slurm_cpu`, so sbatch, srun,
 SLURM's signals and requeue, and submitit's result files are the cluster's own. Needs root and
 Debian's `slurm-wlm` and `munge`; without them every test here skips, with one line saying why.
-Select or leave out with `-m slurm` / `-m "not slurm"`.
+Select or leave out the cluster's tests with `-m slurm` / `-m "not slurm"`.
 """
 
 import json
@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from normlab.checkpoint import list_checkpoints
-
-pytestmark = pytest.mark.slurm
+from normlab.slurm import refusal_message, refusal_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "slurm_cluster.sh"
@@ -90,6 +89,7 @@ def release_held_jobs():
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True)
 
 
+@pytest.mark.slurm
 def test_sweep_on_slurm_equals_the_local_sweep(cluster, tmp_path):
     on_slurm = normlab("-m", "hydra/launcher=slurm_cpu", *SHORT, "lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 'slurm'}",
                        cwd=tmp_path)
@@ -109,6 +109,7 @@ def test_sweep_on_slurm_equals_the_local_sweep(cluster, tmp_path):
     assert summary(slurm_jobs[0])["final_val_loss"] != summary(slurm_jobs[1])["final_val_loss"]
 
 
+@pytest.mark.slurm
 @pytest.mark.parametrize("launcher, reason, key", [
     (["hydra/launcher=slurm"], "Invalid generic resource (gres) specification", "hydra.launcher.gpus_per_node=0"),
     (["hydra/launcher=slurm_cpu", "hydra.launcher.partition=gpu"], "invalid partition specified: gpu",
@@ -127,6 +128,7 @@ def test_a_preset_the_cluster_refuses_is_one_line_and_nothing_is_queued(cluster,
     assert set(after) <= set(before)  # no new job (earlier tests' jobs may still be leaving the queue)
 
 
+@pytest.mark.slurm
 def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, tmp_path):
     """Job 0 gets submitit's preemption signal (USR2, what SLURM sends `signal_delay_s` before the time
     limit) through the scheduler, checkpoints, is requeued by submitit and resumes in its dir, to the
@@ -165,6 +167,7 @@ def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, 
     assert "Traceback" not in err
 
 
+@pytest.mark.slurm
 def test_one_job_of_two_tasks_trains_with_ddp_like_torchrun(cluster, tmp_path):
     """hydra.launcher.tasks_per_node=2: SLURM starts two tasks of one job; normlab joins them into one
     process group (gloo here) from SLURM's variables, as torchrun's two processes would join."""
@@ -184,3 +187,14 @@ def test_one_job_of_two_tasks_trains_with_ddp_like_torchrun(cluster, tmp_path):
     compared = [(a[k], b[k]) for a, b in zip(got, want) for k in ("loss", "val_loss") if k in a]
     assert len(compared) >= 6 and all(math.isclose(x, y, rel_tol=1e-4) for x, y in compared)
     assert len(list((tmp_path / "slurm" / ".submitit").rglob("*_1_log.out"))) == 1  # task 1's log: two tasks ran
+
+
+def test_sbatch_refusals_name_the_launcher_key_to_change():
+    gres = "sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification\n"
+    assert refusal_reason(gres) == "Invalid generic resource (gres) specification"
+    assert refusal_reason("Submitted batch job 12\n") is None
+    assert refusal_message(refusal_reason(gres)).endswith(
+        ": set hydra.launcher.gpus_per_node=0 (e.g. hydra/launcher=slurm_cpu for a CPU partition)")
+    account = refusal_message("Invalid account or account/partition combination specified")
+    assert "set hydra.launcher.account=" in account and "partition=" not in account.split("set ")[1]
+    assert "set hydra.launcher.timeout_min=" in refusal_message("Requested time limit is invalid (missing or exceeds some limit)")

@@ -1,7 +1,8 @@
 """Where a run's records go: the run dir (RunDir), and the sinks the config chooses.
 
 The training loop owns the run dir: it writes config.json and summary.json itself. Sinks only
-add: `jsonl` (metrics.jsonl) and `wandb`, built by name from SINKS. The loop hands every sink the same flat records (slash-grouped
+add: `jsonl` (metrics.jsonl), `csv` (metrics.csv) and `wandb`, chosen by the config's `sinks`
+list and built by name from SINKS. The loop hands every sink the same flat records (slash-grouped
 keys, as wandb's dashboard groups them), and at the end of a run the same tables and PNG images
 (named like 'telemetry/layers'). A sink never changes what it is given. A new sink is one class
 here and one row of SINKS.
@@ -139,6 +140,37 @@ class MetricsFile(Sink):
         self._fh.close()
 
 
+class MetricsCsv(Sink):
+    """metrics.csv: one row per record with the run-level scalars (COLUMNS); per-layer keys stay in metrics.jsonl."""
+
+    COLUMNS = ("step", "tokens", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "status")
+
+    def __init__(self, path: Path, start_step: int | None = None):
+        kept = _csv_rows_before(path, start_step) if start_step is not None else []
+        self._fh = open(path, "w", newline="", buffering=1)
+        self._writer = csv.DictWriter(self._fh, self.COLUMNS, extrasaction="ignore", lineterminator="\n")
+        self._writer.writeheader()
+        self._writer.writerows(kept)
+
+    @classmethod
+    def open(cls, run: SinkContext) -> "MetricsCsv":
+        return cls(run.run_dir.path / "metrics.csv", run.start_step)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._writer.writerow({k: _jsonable(v) for k, v in record.items() if k in self.COLUMNS})
+
+    def finish(self, summary: dict[str, Any], exit_code: int) -> None:
+        self._fh.close()
+
+
+def _csv_rows_before(path: Path, step: int) -> list[dict[str, str]]:
+    """The rows of a metrics.csv whose step is below `step` (a resumed run writes the later ones again)."""
+    if not path.exists():
+        return []
+    with open(path, newline="") as fh:
+        return [row for row in csv.DictReader(fh) if row.get("step", "").isdigit() and int(row["step"]) < step]
+
+
 class WandbSink(Sink):
     """One wandb run per normlab run; offline by default, so no account is needed."""
 
@@ -211,10 +243,10 @@ class WandbSink(Sink):
             self.run.finish(exit_code=exit_code)
 
 
-# The sinks by name.
-SINKS: dict[str, type[Sink]] = {"jsonl": MetricsFile, "wandb": WandbSink}
+# The sinks a config's `sinks` list may name.
+SINKS: dict[str, type[Sink]] = {"jsonl": MetricsFile, "csv": MetricsCsv, "wandb": WandbSink}
 
 
 def open_sinks(run: SinkContext) -> list[Sink]:
-    """metrics.jsonl and wandb; wandb is left out under wandb.mode=disabled."""
-    return [SINKS[name].open(run) for name in SINKS if not (name == "wandb" and run.cfg.wandb.mode == "disabled")]
+    """The sinks `run.cfg.sinks` names, in its order; wandb is left out under wandb.mode=disabled."""
+    return [SINKS[name].open(run) for name in run.cfg.sinks if not (name == "wandb" and run.cfg.wandb.mode == "disabled")]

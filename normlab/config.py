@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, get_args, get_origin, get_type_hints
 
+from .sinks import SINKS
+
 NORMS = ("none", "layer", "rms", "batch", "dyt", "scale", "l2")
 PLACEMENTS = ("pre", "post", "sandwich", "deepnorm", "mix")
 INITS = ("normal", "xavier")
@@ -153,6 +155,7 @@ class RunConfig:
     wandb: WandbConfig = bookkeeping(default_factory=WandbConfig)
     telemetry: TelemetryConfig = bookkeeping(default_factory=TelemetryConfig)
     ckpt: CkptConfig = bookkeeping(default_factory=CkptConfig)
+    sinks: list = bookkeeping(default_factory=lambda: ["jsonl", "wandb"])  # where records go (normlab.sinks.SINKS)
     resume: str | None = bookkeeping("auto")  # null: start fresh; auto: newest checkpoint in the run dir, if any; or a path
 
     @classmethod
@@ -206,6 +209,9 @@ class RunConfig:
         _choice("device", self.device, DEVICES)
         _choice("data.source", self.data.source, DATA_SOURCES)
         _choice("wandb.mode", self.wandb.mode, WANDB_MODES)
+        for sink in self.sinks:
+            if not isinstance(sink, str) or sink not in SINKS:
+                raise ConfigError(f"sinks={self.sinks}: unknown sink {sink!r}; choose from {', '.join(SINKS)}")
         _positive("lr", self.lr)
         _positive("norm.eps", self.norm.eps)
         _at_least("depth", self.depth, 1)

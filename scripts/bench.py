@@ -246,15 +246,15 @@ def norm_cost(cfg, norm: str, device: torch.device, repeats: int = 50) -> float:
 def loop_extras(cfg, step_s: float) -> list[tuple[str, float]]:
     """Seconds per step of each thing normlab's loop does that a minimal loop does not, timed alone."""
     from normlab import distributed
-    from normlab.checkpoint import Checkpointer, GeneratorState
+    from normlab.callbacks import DivergenceGuard
+    from normlab.checkpoint import Checkpointer
     from normlab.config import TelemetryConfig
-    from normlab.model import GPT
     from normlab.sinks import MetricsFile, RunDir
     from normlab.telemetry import Probe
-    from normlab.train import DivergenceGuard, lr_at, param_groups
+    from normlab.train import build_state, lr_at
 
-    model = GPT(cfg)
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=cfg.lr)
+    state = build_state(cfg, torch.device("cpu"), "fp32")
+    model, optimizer = state.model, state.optimizer
     guard = DivergenceGuard(cfg.diverge_factor, torch.device("cpu"))
     probe = Probe(model, TelemetryConfig().every, cfg.max_steps)
     loss = torch.tensor(5.0)
@@ -282,10 +282,9 @@ def loop_extras(cfg, step_s: float) -> list[tuple[str, float]]:
 
     with tempfile.TemporaryDirectory() as d:
         checkpointer = Checkpointer(d, cfg, wandb_run_id="x", corpus_sha256="0", world_size=1, writes=True)
-        components = {"model": model, "optimizer": optimizer, "data_sampler": GeneratorState(torch.Generator()),
-                      "divergence_guard": guard}
+        state.step = cfg.ckpt.every or 1
         t = time.perf_counter()
-        checkpointer.save(cfg.ckpt.every or 1, components, {})
+        checkpointer.save(state, [guard])
         save_s = time.perf_counter() - t
         metrics = MetricsFile(RunDir(d))
         record = {"step": 0, "tokens": 0, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0}

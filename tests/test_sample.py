@@ -96,3 +96,30 @@ def test_help_lists_sample_and_sample_help_needs_no_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "normlab sample RUN_DIR_OR_CHECKPOINT" in result.stdout and "--temperature" in result.stdout
     assert result.stdout.rstrip().endswith("torch-free")
+
+
+def test_sample_decodes_with_the_runs_bpe(tmp_path, capsys):
+    """A checkpoint of a BPE run (written by hand here): the sample is decoded with the same BPE, found in the cache."""
+    import torch
+
+    from normlab import checkpoint
+    from normlab.config import DataConfig, RunConfig, TokenizerConfig
+    from normlab.data import load_corpus
+    from normlab.model import GPT
+
+    text = tmp_path / "code.txt"
+    text.write_text("def square(x):\n    return x * x\n" * 300, encoding="utf-8")
+    cfg = RunConfig(depth=1, model=ModelConfig(d_model=16, n_head=2, context=16, vocab_size=300), seq_len=16,
+                    data=DataConfig(source="text", files=[str(text)], cache_dir=str(tmp_path / "c")),
+                    tokenizer=TokenizerConfig(kind="bpe", vocab_size=300))
+    corpus = load_corpus(cfg.data, cfg.tokenizer)
+    payload = {"format": checkpoint.FORMAT, "step": 0, "components": {"model": GPT(cfg).state_dict()},
+               "loop": {}, "rng": {}, "config": checkpoint.flatten_config(cfg)}
+    path = checkpoint.checkpoint_path(tmp_path / "run", 0)
+    checkpoint.write_atomic(path, payload)
+    assert main(["sample", str(path), "--prompt", "def", "--tokens", "5", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    model = GPT(cfg).eval()
+    model.load_state_dict(payload["components"]["model"])
+    ids = generate(model, corpus.tokenizer.encode("def").tolist(), 5, 0.0, None, torch.Generator())
+    assert out == "def" + corpus.tokenizer.decode(ids) + "\n"

@@ -186,3 +186,23 @@ def test_load_tokenizer_finds_the_bpe_the_corpus_was_encoded_with(tmp_path, monk
     corpus = load_corpus(cfg, TokenizerConfig(kind="bpe", vocab_size=300))
     monkeypatch.setattr(tokenizer, "_spread_sample", lambda *a: pytest.fail("trained again"))
     assert data.load_tokenizer(cfg, TokenizerConfig(kind="bpe", vocab_size=300)).identity == corpus.tokenizer.identity
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["tokenizer=bpe", "tokenizer.vocab_size=100"], "tokenizer.vocab_size=100: a byte-level BPE needs between 257"),
+        (["tokenizer=bpe", "tokenizer.vocab_size=70000"], "tokenizer.vocab_size=70000"),
+        (["tokenizer=hf"], "tokenizer.name is not set"),
+        (["tokenizer.kind=wordpiece"], "tokenizer.kind='wordpiece' is not allowed: choose one of byte, bpe, hf"),
+        (["data=hf", "data.name=some/set", "data.streaming=true"], "data.streaming=true needs data.max_bytes"),
+    ],
+)
+def test_the_train_command_refuses_bad_tokenizer_and_data_settings_in_one_line(overrides, message, tmp_path, monkeypatch, capsys):
+    from normlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *overrides, "max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("normlab: error: ") and err.count("\n") == 1 and message in err
+    assert not (tmp_path / "outputs").exists()

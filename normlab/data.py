@@ -396,9 +396,10 @@ def _capped(source: _Source, max_bytes: int | None) -> _Source:
     def capped() -> Iterator[bytes]:
         left = max_bytes
         for i, doc in enumerate(documents()):
-            doc = doc[: left - (i > 0)]
-            if left - (i > 0) <= 0:
+            room = left - (i > 0)  # every document after the first costs its separator too
+            if room <= 0:
                 return
+            doc = doc[:room]
             yield doc
             left -= len(doc) + (i > 0)
 

@@ -1,4 +1,4 @@
-"""The `normlab` command: `normlab train ...` (a Hydra app) and `normlab compare ...`.
+"""The `normlab` command: `normlab train ...` (a Hydra app), `normlab compare ...` and `normlab sample ...`.
 
 Heavy modules (torch, wandb, datasets) are imported only once a subcommand
 needs them, so `normlab --help` answers at once.
@@ -15,12 +15,15 @@ commands:
             `normlab train --help` lists the config groups and their options
   compare   compare runs: report.md (runs, LR sensitivity, seeds) and PNG plots, from run files
             `normlab compare PATH... [--out DIR]`; PATH: a run dir, a sweep dir or outputs/
+  sample    print text from a trained model
+            `normlab sample RUN_DIR_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]`
 
 examples:
   normlab train norm=rms placement=pre
   normlab train norm=batch placement=post depth=12 lr=3e-4
   normlab train -m norm=none,layer,rms,batch placement=pre,post
   normlab compare outputs/sweeps/2026-11-22_14-05-40_a81b2e
+  normlab sample outputs/runs/2026-11-22_14-05-40_rms-pre-d4-lr3e-3-s0_a81b2e --prompt "def "
 """
 
 
@@ -38,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         from .compare import main as run_compare
 
         return run_compare(rest)
-    print(f"normlab: error: unknown command {command!r}: choose one of train, compare", file=sys.stderr)
+    if command == "sample":
+        from .sample import main as run_sample
+
+        return run_sample(rest)
+    print(f"normlab: error: unknown command {command!r}: choose one of train, compare, sample", file=sys.stderr)
     return 2
 
 

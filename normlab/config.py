@@ -21,6 +21,8 @@ INITS = ("normal", "xavier")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "text", "hf")
+TOKENIZERS = ("byte", "bpe", "hf")
+BPE_VOCAB_RANGE = (257, 65536)  # the 256 bytes plus at least one merge; ids fit in uint16
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_CHOICES = "choose null (start fresh), auto (the newest checkpoint in the run dir, if any) or a checkpoint path"
 
@@ -88,6 +90,18 @@ class DataConfig:
     text_field: str = "text"
     val_fraction: float = 0.1
     cache_dir: str | None = bookkeeping(None)  # token cache; default ~/.cache/normlab
+    streaming: bool = False  # data=hf: stream the split instead of downloading it whole; needs max_bytes
+    max_bytes: int | None = None  # read at most this many bytes of text per split; null: all of it
+    val_split: str | None = "auto"  # data=hf: auto ("validation" if the dataset has it), a split name, or null (cut val_fraction)
+
+
+@dataclass
+class TokenizerConfig:
+    """How text becomes token ids: byte (256 ids), a BPE trained on the training split, or a pretrained one."""
+
+    kind: str = "byte"  # byte | bpe | hf
+    vocab_size: int = 4096  # tokenizer=bpe: the vocabulary, 257..65536
+    name: str | None = None  # tokenizer=hf: a hub name (gpt2), a directory holding tokenizer.json, or the file
 
 
 @dataclass
@@ -151,6 +165,7 @@ class RunConfig:
     progress: bool = bookkeeping(True)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     wandb: WandbConfig = bookkeeping(default_factory=WandbConfig)
     telemetry: TelemetryConfig = bookkeeping(default_factory=TelemetryConfig)
@@ -265,10 +280,37 @@ class RunConfig:
                 "lower seq_len or raise model.context"
             )
         self._validate_combination()
+        self._validate_data()
         if self.data.source == "text" and not self.data.files:
             raise ConfigError("data.files is empty: data=text needs data.files=[path, ...]")
         if self.data.source == "hf" and not self.data.name:
             raise ConfigError("data.name is not set: data=hf needs data.name=<hub dataset name>")
+
+    def _validate_data(self) -> None:
+        """The tokenizer and the data keys that depend on the source."""
+        _choice("tokenizer.kind", self.tokenizer.kind, TOKENIZERS)
+        low, high = BPE_VOCAB_RANGE
+        if self.tokenizer.kind == "bpe" and not low <= self.tokenizer.vocab_size <= high:
+            raise ConfigError(
+                f"tokenizer.vocab_size={self.tokenizer.vocab_size}: a byte-level BPE needs between {low} "
+                f"(the 256 bytes and one merge) and {high} tokens"
+            )
+        if self.tokenizer.kind == "hf" and not self.tokenizer.name:
+            raise ConfigError("tokenizer.name is not set: tokenizer=hf needs tokenizer.name=<hub name or local path>, e.g. gpt2")
+        if self.data.max_bytes is not None and self.data.max_bytes < 1:
+            raise ConfigError(f"data.max_bytes={self.data.max_bytes}: must be an integer >= 1, or null for all the text")
+        if self.data.streaming and self.data.source != "hf":
+            raise ConfigError(f"data.streaming=true with data={self.data.source}: only data=hf streams")
+        if self.data.streaming and self.data.max_bytes is None:
+            raise ConfigError(
+                "data.streaming=true needs data.max_bytes=N: a stream has no end to stop at "
+                "(e.g. data.max_bytes=100000000 for 100 MB of text)"
+            )
+        if self.data.val_split not in (None, "auto") and self.data.source != "hf":
+            raise ConfigError(
+                f"data.val_split={self.data.val_split!r} with data={self.data.source}: only data=hf has named splits; "
+                "use data.val_fraction"
+            )
 
     def _validate_combination(self) -> None:
         """Reject norm × placement × QK-norm combinations that make no sense, saying why."""

@@ -1,9 +1,9 @@
-"""Byte-level corpora: load a source once, cache its tokens, split, and sample windows.
+"""Corpora: load a source once, cache its bytes and tokens, split, and sample windows.
 
-Tokenizer ("bytes-v1"): a token is one raw byte of the UTF-8 text, so the
-vocabulary is exactly 256 and tokenizing is the identity on bytes. A corpus is
-a sequence of documents (files or dataset rows) joined with a single b"\\n"
-between consecutive documents (none before the first or after the last).
+Text: a corpus is a sequence of documents (files or dataset rows) joined with a single b"\\n"
+between consecutive documents (none before the first or after the last), optionally cut to its
+first `DataConfig.max_bytes` bytes. Tokenizers (normlab.tokenizer) turn that text into ids; the
+default byte tokenizer ("bytes-v1") is the identity on bytes, vocabulary 256.
 
 Sources (`DataConfig.source`):
   stdlib  every `.py` file of this interpreter's standard library
@@ -11,23 +11,28 @@ Sources (`DataConfig.source`):
           POSIX-path order, skipping anything under a `site-packages` or
           `dist-packages` directory so the corpus never depends on what was
           pip-installed. Needs no network.
-  text    the local files `DataConfig.files`, in the order given.
-  hf      `datasets.load_dataset(name, config_name, split=split)`, column
-          `text_field`, one document per row.
+  text    the local files `DataConfig.files`, in the order given; a `.jsonl`
+          file gives one document per row (its `text_field`).
+  hf      `datasets.load_dataset(name, config_name, split=split)` (streamed with
+          `streaming=true`), or `load_from_disk` for a directory written by
+          `save_to_disk`; column `text_field`, one document per row.
 
-Split: the last `floor(n * val_fraction)` tokens are validation, the rest train.
+Split: the dataset's own validation split when `val_split` names one (auto: "validation" if it
+exists, data=hf only), else the last `floor(n * val_fraction)` bytes are validation, the rest train.
 
-Cache: the token stream of a source is written once and reused. The cache
+Cache: the byte stream of a source is written once and reused. The cache
 directory is `DataConfig.cache_dir` if set, else `$NORMLAB_CACHE` if set, else
 `~/.cache/normlab`. An entry is two files named after the source kind and a
 key, a hash of the tokenizer, the separator and the source's identity:
 
-    <kind>-<key>.bin    the raw token bytes (`sha256sum` of it equals meta's sha256)
+    <kind>-<key>.bin    the raw bytes (`sha256sum` of it equals meta's sha256)
     <kind>-<key>.json   {"key", "tokenizer", "source", "n_bytes", "sha256", "spec"}
 
 The identity is cheap to compute without reading content: for stdlib and text
 it lists each file's path, size and mtime_ns; for hf it is name, config, split,
-column and the loaded dataset's fingerprint. Both files are written to a
+column and the loaded dataset's fingerprint (a stream: name, split and max_bytes).
+Other tokenizers add a BPE file (normlab.tokenizer) and `tokens-<key>.{train,val}.bin`
+plus `tokens-<key>.json` holding the encoded splits. Every file is written to a
 temporary name in the same directory and moved into place with `os.replace`,
 so concurrent jobs never see half an entry; on POSIX a lock file additionally
 lets only one job build an entry while the others wait and then reuse it.
@@ -36,9 +41,11 @@ lets only one job build an entry while the others wait and then reuse it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import sysconfig
@@ -53,7 +60,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from .config import ConfigError, DataConfig
+from .config import TOKENIZERS, ConfigError, DataConfig, TokenizerConfig
+from .tokenizer import ByteTokenizer, Tokenizer, TokenizerError, pretrained, train_bpe
 
 try:
     import fcntl
@@ -78,14 +86,20 @@ class DataError(RuntimeError):
 
 @dataclass(frozen=True, eq=False)
 class Corpus:
-    """A tokenized corpus split into a training head and a held-out tail."""
+    """A tokenized corpus split into a training head and a held-out tail (or the dataset's own validation split)."""
 
-    train: torch.Tensor = field(repr=False)  # 1-D uint8 byte tokens
-    val: torch.Tensor = field(repr=False)  # 1-D uint8, the tail of the token stream
-    vocab_size: int
+    train: torch.Tensor = field(repr=False)  # 1-D token ids: uint8 under the byte tokenizer, uint16 up to 65536 ids
+    val: torch.Tensor = field(repr=False)  # 1-D, same dtype: the validation tokens
+    vocab_size: int  # the tokenizer's: ids are in [0, vocab_size)
     source: str  # e.g. "stdlib:/usr/lib/python3.11", "text:a.txt,b.txt", "hf:name/split"
-    n_bytes: int  # total tokens, train + val
-    sha256: str  # hex sha256 of the whole token byte string
+    n_bytes: int  # UTF-8 bytes of text, train + val (the token count too under the byte tokenizer)
+    sha256: str  # hex sha256 of the train token ids' bytes followed by the val token ids' bytes
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer, repr=False)
+
+    @property
+    def token_bytes(self) -> torch.Tensor:
+        """int64 tensor of vocab_size entries: the UTF-8 bytes each token id stands for."""
+        return torch.from_numpy(self.tokenizer.token_bytes)
 
 
 @dataclass(frozen=True)
@@ -96,30 +110,77 @@ class _Source:
     documents: Callable[[], Iterable[bytes]]  # reads the content, only on a cache miss
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """Tokenize the configured source (or reuse its cached tokens) and split off the validation tail.
+def load_corpus(cfg: DataConfig, tokenizer: TokenizerConfig | None = None) -> Corpus:
+    """Read the configured source (or its cached bytes), split off validation text, and tokenize both parts.
 
-    Raises DataError with a one-line message if the source cannot be read or is
+    `tokenizer` defaults to the byte tokenizer, under which the tokens are the bytes. Validation is the
+    dataset's own split when `data.val_split` names one (or is auto and the dataset has a "validation"
+    split), else the last `floor(n * val_fraction)` bytes; other tokenizers move that cut forward to the
+    next UTF-8 character boundary. Tokens of non-byte tokenizers are cached too (see `_cached_encoding`).
+
+    Raises DataError with a one-line message if the source or tokenizer cannot be loaded or the text is
     too small to split, and ConfigError for a val_fraction outside (0, 1).
     """
     if not 0.0 < cfg.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction}: must be between 0 and 1, exclusive")
-    source = _resolve_source(cfg)
-    tokens, meta = _cached_tokens(_cache_root(cfg), source)
-    n = int(meta["n_bytes"])
-    n_val = int(n * cfg.val_fraction)
-    if n_val < 1 or n_val >= n:
-        raise DataError(
-            f"{source.description} has only {n} tokens: too few to split with data.val_fraction={cfg.val_fraction}"
-        )
+    if cfg.streaming and cfg.max_bytes is None:
+        raise ConfigError("data.streaming=true needs data.max_bytes=N: a stream has no end to stop at")
+    tokenizer = tokenizer or TokenizerConfig()
+    root = _cache_root(cfg)
+    text = _split_text(cfg, root, char_aligned=tokenizer.kind != "byte")
+    tok = _build_tokenizer(tokenizer, root, text.train)
+    if tok.kind == "byte":
+        train, val, sha256 = text.train, text.val, text.sha256
+    else:
+        train, val, sha256 = _cached_encoding(root, tok, text)
     return Corpus(
-        train=torch.from_numpy(tokens[: n - n_val]),
-        val=torch.from_numpy(tokens[n - n_val :]),
-        vocab_size=VOCAB_SIZE,
-        source=source.description,
-        n_bytes=n,
-        sha256=meta["sha256"],
+        train=torch.from_numpy(train),
+        val=torch.from_numpy(val),
+        vocab_size=tok.vocab_size,
+        source=text.description,
+        n_bytes=len(text.train) + len(text.val),
+        sha256=sha256,
+        tokenizer=tok,
     )
+
+
+def load_tokenizer(cfg: DataConfig, tokenizer: TokenizerConfig) -> Tokenizer:
+    """The tokenizer `load_corpus(cfg, tokenizer)` trains on, without encoding the corpus (a BPE reads the
+    training text to find its cache entry, and learns its merges only when that entry is missing)."""
+    if tokenizer.kind in ("byte", "hf"):
+        return _build_tokenizer(tokenizer, None, None)
+    root = _cache_root(cfg)
+    return _build_tokenizer(tokenizer, root, _split_text(cfg, root, char_aligned=True).train)
+
+
+def model_vocab_size(requested: int | None, corpus: Corpus) -> int:
+    """The model's vocabulary: the tokenizer's when `requested` (model.vocab_size) is None, else `requested`,
+    which may pad the tokenizer's (embedding rows no token uses) but never be smaller. ConfigError if it is."""
+    if requested is None:
+        return corpus.vocab_size
+    if requested < corpus.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={requested} is smaller than the tokenizer's vocabulary ({corpus.vocab_size} ids, "
+            f"{corpus.tokenizer.kind}): set model.vocab_size=null to follow the tokenizer, or at least {corpus.vocab_size}"
+        )
+    return requested
+
+
+def target_bytes(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], token_bytes: torch.Tensor) -> tuple[int, int]:
+    """(tokens, UTF-8 bytes) of all the targets `y` of `batches`: the denominators of a loss per token and per byte."""
+    n_tokens = n_bytes = 0
+    for _, y in batches:
+        n_tokens += y.numel()
+        n_bytes += int(token_bytes[y.reshape(-1).long()].sum())
+    return n_tokens, n_bytes
+
+
+def bits_per_byte(mean_nats_per_token: float, n_tokens: int, n_bytes: int) -> float:
+    """A mean loss in nats per token as bits per UTF-8 byte of the same text: total nats / (bytes · ln 2).
+
+    Under the byte tokenizer n_tokens == n_bytes, so it is the loss divided by ln 2.
+    """
+    return mean_nats_per_token * n_tokens / (n_bytes * math.log(2))
 
 
 def sample_batch(
@@ -175,14 +236,174 @@ def _stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+@dataclass(frozen=True)
+class _Text:
+    """The corpus as bytes: training text, validation text, and the sha256 of the two concatenated."""
+
+    train: np.ndarray  # uint8
+    val: np.ndarray  # uint8
+    sha256: str
+    description: str
+
+
+def _split_text(cfg: DataConfig, root: Path, char_aligned: bool) -> _Text:
+    """The source's bytes split into training and validation text (see load_corpus)."""
+    source = _resolve_source(cfg)
+    val_source = _val_source(cfg)
+    stream, meta = _cached_tokens(root, source)
+    if val_source is not None:
+        val, _ = _cached_tokens(root, val_source)
+        digest = hashlib.sha256(stream)
+        digest.update(val)
+        return _Text(stream, val, digest.hexdigest(), f"{source.description}+{val_source.spec['split']}")
+    n = len(stream)
+    cut = n - int(n * cfg.val_fraction)
+    # A tokenizer of text must not see half a UTF-8 character at the cut: move it to the next character.
+    while char_aligned and cut < n and stream[cut] & 0xC0 == 0x80:
+        cut += 1
+    if cut <= 0 or cut >= n:
+        raise DataError(
+            f"{source.description} has only {n} bytes: too few to split with data.val_fraction={cfg.val_fraction}"
+        )
+    return _Text(stream[:cut], stream[cut:], meta["sha256"], source.description)
+
+
+def _build_tokenizer(cfg: TokenizerConfig, root: Path | None, train_text: np.ndarray | None) -> Tokenizer:
+    """The configured tokenizer; a BPE learns from (or finds the cache entry of) `train_text`."""
+    try:
+        if cfg.kind == "byte":
+            return ByteTokenizer()
+        if cfg.kind == "bpe":
+            return train_bpe(train_text.tobytes(), cfg.vocab_size, root)
+        if cfg.kind == "hf":
+            if not cfg.name:
+                raise DataError("tokenizer.name is not set: tokenizer=hf needs tokenizer.name=<hub name or local path>, e.g. gpt2")
+            reason = _tokenizer_offline_reason(cfg.name)
+            return pretrained(cfg.name, local_only=reason is not None, offline_reason=reason or "")
+    except TokenizerError as err:
+        raise DataError(str(err)) from None
+    raise ConfigError(f"tokenizer.kind={cfg.kind!r} is not allowed: choose one of {', '.join(TOKENIZERS)}")
+
+
+def _tokenizer_offline_reason(name: str) -> str | None:
+    """Why a hub tokenizer may only come from the local cache (offline flags, an unreachable hub), or None.
+
+    Unlike `_offline_requested` it does not import datasets, so a cache miss fails within a second.
+    """
+    import huggingface_hub.constants
+
+    if os.path.exists(os.path.expanduser(name)):
+        return None
+    if any(os.environ.get(var, "").upper() in _TRUE_VALUES for var in _OFFLINE_VARS) or huggingface_hub.constants.HF_HUB_OFFLINE:
+        return "offline mode is on (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)"
+    if not _hub_reachable():
+        return f"cannot reach the Hugging Face hub ({urllib.parse.urlsplit(_hub_endpoint()).hostname})"
+    return None
+
+
+def _cached_encoding(root: Path, tok: Tokenizer, text: _Text) -> tuple[np.ndarray, np.ndarray, str]:
+    """(train ids, val ids, sha256 of both) of `text` under `tok`, encoded once and then read from the cache.
+
+    An entry is `tokens-<key>.train.bin`, `tokens-<key>.val.bin` (ids in `tok.dtype`, native byte order)
+    and `tokens-<key>.json`, keyed by the tokenizer's identity, the text's sha256 and the cut.
+    """
+    identity = {"tokenizer": tok.identity, "text_sha256": text.sha256, "n_train_bytes": len(text.train)}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+    paths = {part: root / f"tokens-{key}.{part}.bin" for part in ("train", "val")}
+    meta_path = root / f"tokens-{key}.json"
+    hit = _read_encoding(paths, meta_path, key, tok.dtype)
+    if hit is not None:
+        return hit
+    try:
+        with _exclusive(root / f"tokens-{key}.lock"):
+            hit = _read_encoding(paths, meta_path, key, tok.dtype)
+            if hit is not None:
+                return hit
+            log.info("encoding %s with %s (once; cached in %s)", text.description, tok.identity, root)
+            ids = {"train": tok.encode(text.train.tobytes()), "val": tok.encode(text.val.tobytes())}
+            digest = hashlib.sha256(ids["train"])
+            digest.update(ids["val"])
+            for part, array in ids.items():
+                _atomic_write(paths[part], lambda fh, array=array: fh.write(array.tobytes()))
+            meta = {**identity, "key": key, "dtype": tok.dtype.str, "sha256": digest.hexdigest(),
+                    "n_train": len(ids["train"]), "n_val": len(ids["val"])}
+            _atomic_write(meta_path, lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
+            return ids["train"], ids["val"], meta["sha256"]
+    except OSError as err:
+        raise DataError(
+            f"cannot write the token cache in {root}: {err.strerror or err}; set data.cache_dir or NORMLAB_CACHE"
+        ) from None
+
+
+def _read_encoding(paths: dict, meta_path: Path, key: str, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, str] | None:
+    """A complete, verified encoding entry, or None if it is missing, stale or damaged."""
+    try:
+        meta = json.loads(meta_path.read_bytes())
+        if meta["key"] != key or meta["dtype"] != dtype.str:
+            return None
+        train = _map(paths["train"], dtype, int(meta["n_train"]))
+        val = _map(paths["val"], dtype, int(meta["n_val"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("re-encoding damaged token cache entry %s: %s", meta_path, err)
+        return None
+    digest = hashlib.sha256(train)
+    digest.update(val)
+    if digest.hexdigest() != meta.get("sha256"):
+        log.warning("re-encoding token cache entry %s: content does not match its sha256", meta_path)
+        return None
+    return train, val, meta["sha256"]
+
+
 def _resolve_source(cfg: DataConfig) -> _Source:
     if cfg.source == "stdlib":
-        return _stdlib_source()
-    if cfg.source == "text":
-        return _text_source(list(cfg.files))
-    if cfg.source == "hf":
-        return _hf_source(cfg)
-    raise ConfigError(f"data.source={cfg.source!r} is not allowed: choose one of stdlib, text, hf")
+        source = _stdlib_source()
+    elif cfg.source == "text":
+        source = _text_source(list(cfg.files), cfg.text_field)
+    elif cfg.source == "hf":
+        source = _hf_source(cfg, cfg.split)
+    else:
+        raise ConfigError(f"data.source={cfg.source!r} is not allowed: choose one of stdlib, text, hf")
+    return _capped(source, cfg.max_bytes)
+
+
+def _val_source(cfg: DataConfig) -> _Source | None:
+    """The dataset's own validation split as a source, or None when validation is cut from the training text.
+
+    data.val_split=auto takes a split named "validation" if the dataset has one; a named split must exist.
+    """
+    if cfg.source != "hf" or cfg.val_split is None:
+        return None
+    split = "validation" if cfg.val_split == "auto" else cfg.val_split
+    try:
+        return _capped(_hf_source(cfg, split), cfg.max_bytes)
+    except _MissingSplit as missing:
+        if cfg.val_split == "auto":
+            return None
+        raise DataError(
+            f"data.val_split={split!r}: dataset {cfg.name!r} has no such split ({missing}); "
+            "name one of its splits, or data.val_split=null to cut data.val_fraction off the training split"
+        ) from None
+
+
+def _capped(source: _Source, max_bytes: int | None) -> _Source:
+    """`source` limited to its first `max_bytes` bytes (separators included); unchanged when max_bytes is None."""
+    if max_bytes is None:
+        return source
+    documents = source.documents
+
+    def capped() -> Iterator[bytes]:
+        left = max_bytes
+        for i, doc in enumerate(documents()):
+            room = left - (i > 0)  # every document after the first costs its separator too
+            if room <= 0:
+                return
+            doc = doc[:room]
+            yield doc
+            left -= len(doc) + (i > 0)
+
+    return dataclasses.replace(source, spec={**source.spec, "max_bytes": max_bytes}, documents=capped)
 
 
 def _stdlib_source() -> _Source:
@@ -205,7 +426,7 @@ def _stdlib_source() -> _Source:
     )
 
 
-def _text_source(files: list) -> _Source:
+def _text_source(files: list, text_field: str) -> _Source:
     if not files:
         raise DataError("data.files is empty: data=text needs data.files=[path, ...]")
     paths = [Path(os.path.expanduser(str(f))) for f in files]
@@ -220,86 +441,153 @@ def _text_source(files: list) -> _Source:
         if not path.is_file():
             raise DataError(f"data.files: {path} is not a regular file")
         manifest.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
+    spec = {"source": "text", "files": manifest}
+    if any(_is_jsonl(p) for p in paths):
+        spec["jsonl_field"] = text_field
     return _Source(
         kind="text",
         description="text:" + ",".join(str(f) for f in files),
-        spec={"source": "text", "files": manifest},
+        spec=spec,
         # Read as bytes rather than through datasets' "text" builder: the tokens are the bytes, so
         # decoding and re-encoding could only alter them (newline translation, invalid UTF-8), and
         # the builder would also store a second, Arrow copy of every file in the Hugging Face cache.
-        documents=lambda: _read_files(paths),
+        documents=lambda: _read_files(paths, text_field),
     )
 
 
-def _read_files(paths: list[Path]) -> Iterator[bytes]:
+def _is_jsonl(path: Path) -> bool:
+    return path.suffix.lower() == ".jsonl"
+
+
+def _read_files(paths: list[Path], text_field: str = "text") -> Iterator[bytes]:
+    """Each file's bytes as one document; a .jsonl file gives one document per row (its `text_field`)."""
     for path in paths:
         try:
-            yield path.read_bytes()
+            if _is_jsonl(path):
+                yield from _jsonl_documents(path, text_field)
+            else:
+                yield path.read_bytes()
         except OSError as err:
             raise DataError(f"cannot read {path}: {err.strerror or err}") from None
 
 
-def _hf_source(cfg: DataConfig) -> _Source:
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[bytes]:
+    with open(path, "rb") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise DataError(f"{path}:{number} is not a JSON object (a .jsonl file holds one per line)") from None
+            text = row.get(text_field) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{number} has no text field {text_field!r}: set data.text_field")
+            yield text.encode("utf-8")
+
+
+def _hf_source(cfg: DataConfig, split: str) -> _Source:
     if not cfg.name:
         raise DataError("data.name is not set: data=hf needs data.name=<hub dataset name>")
-    dataset = _load_hf_dataset(cfg.name, cfg.config_name, cfg.split)
-    if cfg.text_field not in dataset.column_names:
+    dataset = _load_hf_dataset(cfg.name, cfg.config_name, split, streaming=cfg.streaming)
+    features = dataset.features  # None for some streamed datasets: their rows are checked as they come
+    if features is not None and cfg.text_field not in features:
         raise DataError(
             f"dataset {cfg.name!r} has no column {cfg.text_field!r}: "
-            f"set data.text_field to one of {', '.join(dataset.column_names)}"
+            f"set data.text_field to one of {', '.join(features)}"
         )
-    feature = dataset.features[cfg.text_field]
-    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+    feature = features[cfg.text_field] if features is not None else None
+    if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
         raise DataError(f"column {cfg.text_field!r} of dataset {cfg.name!r} holds {feature}, not text")
     config_part = f":{cfg.config_name}" if cfg.config_name else ""
+    spec = {
+        "source": "hf",
+        "name": cfg.name,
+        "config_name": cfg.config_name,
+        "split": split,
+        "text_field": cfg.text_field,
+    }
+    # A stream has no fingerprint: it is identified by name, split and the bytes taken (max_bytes).
+    spec.update({"streaming": True} if cfg.streaming else {"fingerprint": getattr(dataset, "_fingerprint", None)})
     return _Source(
         kind="hf",
-        description=f"hf:{cfg.name}{config_part}/{cfg.split}",
-        spec={
-            "source": "hf",
-            "name": cfg.name,
-            "config_name": cfg.config_name,
-            "split": cfg.split,
-            "text_field": cfg.text_field,
-            "fingerprint": getattr(dataset, "_fingerprint", None),
-        },
+        description=f"hf:{cfg.name}{config_part}/{split}",
+        spec=spec,
         documents=lambda: _hf_documents(dataset, cfg.text_field),
     )
 
 
 def _hf_documents(dataset, text_field: str) -> Iterator[bytes]:
+    import datasets
+
+    if isinstance(dataset, datasets.IterableDataset):
+        for row in dataset:
+            if text_field not in row:
+                raise DataError(f"the streamed dataset has no column {text_field!r}: set data.text_field to one of {', '.join(row)}")
+            if row[text_field] is not None:
+                yield str(row[text_field]).encode("utf-8")
+        return
     for batch in dataset.select_columns([text_field]).iter(batch_size=1024):
         for text in batch[text_field]:
             if text is not None:
                 yield text.encode("utf-8")
 
 
-def _load_hf_dataset(name: str, config_name: str | None, split: str):
+class _MissingSplit(LookupError):
+    """The dataset has no split of the requested name."""
+
+
+def _load_hf_dataset(name: str, config_name: str | None, split: str, streaming: bool = False):
     """Load one split of a hub (or local) dataset, failing fast with a DataError when the hub is out of reach.
 
-    With HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, only the local Hugging Face
-    cache is consulted. Otherwise, for a name that is not a local path, the hub
-    host is probed first (about a second at most); if it does not answer, the
-    load is retried from the local cache only, instead of letting datasets spend
-    ~20 s on retries.
+    A directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` is read with
+    `load_from_disk`. With HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, only the local Hugging Face
+    cache is consulted. Otherwise, for a name that is not a local path, the hub host is probed
+    first (about a second at most); if it does not answer, the load is retried from the local cache
+    only, instead of letting datasets spend ~20 s on retries. Raises _MissingSplit for an unknown split.
     """
+    if _saved_to_disk(name):
+        return _load_saved_split(name, split, streaming)
     if _offline_requested():
         with _hf_offline():
             reason = "offline mode is on (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)"
-            return _call_load_dataset(name, config_name, split, reason)
+            return _call_load_dataset(name, config_name, split, streaming, reason)
     if not os.path.exists(name) and not _hub_reachable():
         host = urllib.parse.urlsplit(_hub_endpoint()).hostname
         with _hf_offline():
-            return _call_load_dataset(name, config_name, split, f"cannot reach the Hugging Face hub ({host})")
-    return _call_load_dataset(name, config_name, split, offline_reason=None)
+            return _call_load_dataset(name, config_name, split, streaming, f"cannot reach the Hugging Face hub ({host})")
+    return _call_load_dataset(name, config_name, split, streaming, offline_reason=None)
 
 
-def _call_load_dataset(name: str, config_name: str | None, split: str, offline_reason: str | None):
+def _saved_to_disk(name: str) -> bool:
+    path = Path(os.path.expanduser(name))
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def _load_saved_split(name: str, split: str, streaming: bool):
+    """One split of a dataset saved with save_to_disk; a lone saved Dataset counts as the split "train"."""
     import datasets
 
     try:
-        return datasets.load_dataset(name, config_name, split=split)
+        saved = datasets.load_from_disk(os.path.expanduser(name))
     except Exception as err:
+        raise DataError(f"cannot load the saved dataset {name!r}: {_one_line(err)}") from None
+    splits = list(saved) if isinstance(saved, datasets.DatasetDict) else ["train"]
+    if split not in splits:
+        raise _MissingSplit(f"it has {', '.join(splits)}")
+    dataset = saved[split] if isinstance(saved, datasets.DatasetDict) else saved
+    return dataset.to_iterable_dataset() if streaming else dataset
+
+
+def _call_load_dataset(name: str, config_name: str | None, split: str, streaming: bool, offline_reason: str | None):
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, config_name, split=split, streaming=streaming)
+    except Exception as err:
+        # datasets says 'Unknown split "x". Should be one of [...]' (or 'Bad split: x. Available splits: [...]').
+        if isinstance(err, ValueError) and ("Unknown split" in str(err) or "Bad split" in str(err)):
+            raise _MissingSplit(_one_line(err)) from None
         # Offline, a dataset missing from the cache surfaces as a ConnectionError (hub names)
         # or a FileNotFoundError (cache lookups); anything else is a real problem with the request.
         if offline_reason and isinstance(err, (ConnectionError, FileNotFoundError)):
@@ -311,11 +599,12 @@ def _call_load_dataset(name: str, config_name: str | None, split: str, offline_r
 
 
 def _offline_requested() -> bool:
+    if any(os.environ.get(var, "").upper() in _TRUE_VALUES for var in _OFFLINE_VARS):
+        return True
     import datasets.config
     import huggingface_hub.constants
 
-    flags = (os.environ.get(var, "").upper() in _TRUE_VALUES for var in _OFFLINE_VARS)
-    return any(flags) or bool(datasets.config.HF_HUB_OFFLINE) or bool(huggingface_hub.constants.HF_HUB_OFFLINE)
+    return bool(datasets.config.HF_HUB_OFFLINE) or bool(huggingface_hub.constants.HF_HUB_OFFLINE)
 
 
 @contextlib.contextmanager
@@ -457,9 +746,19 @@ def _read_entry(bin_path: Path, meta_path: Path, key: str) -> tuple[np.ndarray, 
 
 
 def _map_tokens(path: Path, n_bytes: int) -> np.ndarray:
+    return _map(path, np.dtype(np.uint8), n_bytes)
+
+
+def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    """The `count` values of `dtype` in `path`; ValueError if the file holds a different number of bytes."""
+    size = path.stat().st_size
+    if size != count * dtype.itemsize:
+        raise ValueError(f"{path} holds {size} bytes, metadata says {count} × {dtype.itemsize}")
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
     # Copy-on-write mapping: jobs share the page cache, and the array is writable, which
     # torch.from_numpy requires; writes never reach the file.
-    return np.asarray(np.memmap(path, dtype=np.uint8, mode="c", shape=(n_bytes,)))
+    return np.asarray(np.memmap(path, dtype=dtype, mode="c", shape=(count,)))
 
 
 def _write_tokens(documents: Iterable[bytes], dest: Path) -> tuple[int, str]:

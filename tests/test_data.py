@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from normlab import data
-from normlab.config import DataConfig
+from normlab.config import ConfigError, DataConfig, RunConfig
 from normlab.data import Corpus, DataError, eval_batches, load_corpus, sample_batch, stdlib_files
 
 
@@ -286,6 +286,111 @@ def test_hf_missing_column_lists_the_available_ones(local_dataset, tmp_path):
 def test_hf_non_text_column_is_rejected(local_dataset, tmp_path):
     with pytest.raises(DataError, match="not text"):
         load_corpus(DataConfig(source="hf", name=str(local_dataset), text_field="label", cache_dir=str(tmp_path / "c")))
+
+
+def test_hf_local_dataset_uses_its_own_validation_split(local_dataset, tmp_path):
+    rows = [{"text": "held out one"}, {"text": "held out two"}]
+    (local_dataset / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    corpus = load_corpus(DataConfig(source="hf", name=str(local_dataset), cache_dir=str(tmp_path / "c")))
+    assert corpus.train.numpy().tobytes() == "hello\nwörld\nthird row".encode()
+    assert corpus.val.numpy().tobytes() == b"held out one\nheld out two"
+    assert corpus.source == f"hf:{local_dataset}/train+validation"
+    cut = load_corpus(DataConfig(source="hf", name=str(local_dataset), val_split=None, val_fraction=0.25,
+                                 cache_dir=str(tmp_path / "c")))
+    assert corpus_bytes(cut) == "hello\nwörld\nthird row".encode() and cut.val.numel() == int(cut.n_bytes * 0.25)
+
+
+# ---------------------------------------------------------------- datasets saved to disk, streaming, jsonl, max_bytes
+
+
+@pytest.fixture
+def saved_dataset(tmp_path):
+    """A DatasetDict written with save_to_disk: a train and a validation split."""
+    import datasets
+
+    train = datasets.Dataset.from_dict({"text": [f"train row {i} ünï" for i in range(40)], "n": list(range(40))})
+    validation = datasets.Dataset.from_dict({"text": ["valid row a", "valid row b"], "n": [0, 1]})
+    path = tmp_path / "saved"
+    datasets.DatasetDict({"train": train, "validation": validation}).save_to_disk(str(path))
+    return path
+
+
+def _joined(rows: list[str]) -> bytes:
+    return "\n".join(rows).encode()
+
+
+def test_saved_dataset_train_and_validation_splits(saved_dataset, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "_hub_reachable", fail_if_called)
+    corpus = load_corpus(DataConfig(source="hf", name=str(saved_dataset), cache_dir=str(tmp_path / "c")))
+    assert corpus.train.numpy().tobytes() == _joined([f"train row {i} ünï" for i in range(40)])
+    assert corpus.val.numpy().tobytes() == b"valid row a\nvalid row b"
+    assert corpus.n_bytes == corpus.train.numel() + corpus.val.numel()
+    assert corpus.sha256 == hashlib.sha256(corpus_bytes(corpus)).hexdigest()
+    again = load_corpus(DataConfig(source="hf", name=str(saved_dataset), val_split="validation", cache_dir=str(tmp_path / "c")))
+    assert again.sha256 == corpus.sha256
+
+
+def test_saved_dataset_missing_split_names_the_ones_it_has(saved_dataset, tmp_path):
+    with pytest.raises(DataError, match="data.val_split='test'.*it has train, validation"):
+        load_corpus(DataConfig(source="hf", name=str(saved_dataset), val_split="test", cache_dir=str(tmp_path / "c")))
+
+
+def test_a_single_saved_dataset_is_the_train_split_cut_for_validation(tmp_path):
+    import datasets
+
+    rows = [f"row {i}" for i in range(30)]
+    datasets.Dataset.from_dict({"text": rows}).save_to_disk(str(tmp_path / "one"))
+    corpus = load_corpus(DataConfig(source="hf", name=str(tmp_path / "one"), cache_dir=str(tmp_path / "c")))
+    assert corpus_bytes(corpus) == _joined(rows) and corpus.val.numel() == int(len(_joined(rows)) * 0.1)
+
+
+def test_streaming_reads_max_bytes_of_each_split(saved_dataset, tmp_path):
+    cfg = DataConfig(source="hf", name=str(saved_dataset), streaming=True, max_bytes=100, cache_dir=str(tmp_path / "c"))
+    corpus = load_corpus(cfg)
+    assert corpus.train.numpy().tobytes() == _joined([f"train row {i} ünï" for i in range(40)])[:100]
+    assert corpus.val.numpy().tobytes() == b"valid row a\nvalid row b"
+    whole = load_corpus(DataConfig(source="hf", name=str(saved_dataset), cache_dir=str(tmp_path / "c")))
+    assert whole.train.numpy().tobytes().startswith(corpus.train.numpy().tobytes())
+
+
+def test_streaming_without_max_bytes_is_refused_in_one_line(saved_dataset, tmp_path):
+    cfg = DataConfig(source="hf", name=str(saved_dataset), streaming=True, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match="data.streaming=true needs data.max_bytes") as caught:
+        load_corpus(cfg)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match="data.streaming=true needs data.max_bytes"):
+        RunConfig(data=cfg).validate()
+    with pytest.raises(ConfigError, match="only data=hf streams"):
+        RunConfig(data=DataConfig(streaming=True, max_bytes=10)).validate()
+
+
+def test_max_bytes_cuts_a_local_corpus_and_keys_its_cache(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_bytes(b"0123456789" * 10)
+    full = load_corpus(DataConfig(source="text", files=[str(path), str(path)], cache_dir=str(tmp_path / "c")))
+    cut = load_corpus(DataConfig(source="text", files=[str(path), str(path)], max_bytes=105, cache_dir=str(tmp_path / "c")))
+    assert full.n_bytes == 201 and cut.n_bytes == 105
+    assert corpus_bytes(cut) == corpus_bytes(full)[:105]
+    exact = load_corpus(DataConfig(source="text", files=[str(path), str(path)], max_bytes=101, cache_dir=str(tmp_path / "c")))
+    assert corpus_bytes(exact) == path.read_bytes()  # a separator with no document after it is left out
+
+
+def test_jsonl_files_give_one_document_per_row(tmp_path):
+    rows = [{"text": "first row", "id": 1}, {"text": "second ünï row", "id": 2}, {"body": "x", "text": "third"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    plain = tmp_path / "notes.txt"
+    plain.write_bytes(b"plain text file")
+    corpus = load_corpus(DataConfig(source="text", files=[str(path), str(plain)], cache_dir=str(tmp_path / "c")))
+    assert corpus_bytes(corpus) == "first row\nsecond ünï row\nthird\nplain text file".encode()
+    with pytest.raises(DataError, match="rows.jsonl:1 has no text field 'body'"):
+        load_corpus(DataConfig(source="text", files=[str(path)], text_field="body", cache_dir=str(tmp_path / "e")))
+
+
+def test_val_split_is_only_for_hub_datasets():
+    with pytest.raises(ConfigError, match="data.val_split='validation' with data=stdlib"):
+        RunConfig(data=DataConfig(val_split="validation")).validate()
+    RunConfig(data=DataConfig(val_split=None)).validate()
 
 
 # ---------------------------------------------------------------- batches

@@ -1,0 +1,157 @@
+"""`normlab sample`: print text from a trained model, as nanoGPT's sample.py does.
+
+    normlab sample RUN_DIR_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]
+
+The model is rebuilt from the configuration saved in the checkpoint and loaded with its weights
+(read safely: tensors and plain containers only). The tokenizer is the run's own: the
+`tokenizer.json` in the run dir when there is one, else the one its config names (a BPE is
+read from the token cache, or learned again, deterministically, from the same text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+USAGE = "normlab sample RUN_DIR_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise SampleError(message)
+
+
+class SampleError(RuntimeError):
+    """Bad input to `normlab sample`; the message is one line."""
+
+
+def main(argv: list[str]) -> int:
+    """Run `normlab sample ARGV`; print the text to stdout. Bad input: one line on stderr, exit 2."""
+    parser = _Parser(prog="normlab sample", usage=USAGE, description="Print text sampled from a trained model.")
+    parser.add_argument("path", help="a run dir (its newest checkpoint) or a checkpoint file")
+    parser.add_argument("--prompt", default="", help="text the sample continues (default: a newline)")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0: always the likeliest token")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens only")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    try:
+        args = parser.parse_args(argv)
+        _check_args(args)
+        print(sample_text(args.path, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.device))
+    except SampleError as err:
+        print(f"normlab: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.tokens < 1:
+        raise SampleError(f"--tokens={args.tokens}: must be an integer >= 1")
+    if not args.temperature >= 0:
+        raise SampleError(f"--temperature={args.temperature}: must be a number >= 0")
+    if args.top_k is not None and args.top_k < 1:
+        raise SampleError(f"--top-k={args.top_k}: must be an integer >= 1")
+
+
+def sample_text(path: str, prompt: str, n_tokens: int, temperature: float, top_k: int | None, seed: int,
+                device: str = "cpu") -> str:
+    """The prompt followed by `n_tokens` sampled tokens, decoded. Raises SampleError for an unusable path."""
+    import torch
+
+    from .checkpoint import Checkpoint, CheckpointError, find_checkpoint, run_dir_of
+    from .data import DataError
+
+    try:
+        checkpoint = Checkpoint.load(find_checkpoint(path))
+    except CheckpointError as err:
+        raise SampleError(str(err).removeprefix("resume=")) from None
+    cfg = saved_config(checkpoint.payload)
+    state = model_state(checkpoint.payload)
+    run_dir = run_dir_of(checkpoint.path)
+    try:
+        tokenizer = _run_tokenizer(run_dir, cfg)
+    except DataError as err:
+        raise SampleError(f"cannot rebuild the run's tokenizer: {err}") from None
+    model = _load_model(cfg, state, torch.device(device))
+    ids = tokenizer.encode(prompt or "\n").tolist()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    new = generate(model, ids, n_tokens, temperature, top_k, generator)
+    return prompt + tokenizer.decode(new)
+
+
+def saved_config(payload: Mapping[str, Any]):
+    """The RunConfig a checkpoint was written with (its `config` holds the flattened dotted keys)."""
+    from .config import ConfigError, RunConfig
+
+    tree: dict[str, Any] = {}
+    for dotted, value in payload["config"].items():
+        *parents, leaf = dotted.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return RunConfig.from_dict(tree, validate=False)
+    except ConfigError as err:
+        raise SampleError(f"the checkpoint's config does not fit this normlab: {err}") from None
+
+
+def model_state(payload: Mapping[str, Any]) -> dict:
+    """The model's state_dict in a checkpoint payload: `payload["components"]["model"]`."""
+    try:
+        return payload["components"]["model"]
+    except (KeyError, TypeError):
+        raise SampleError("the checkpoint holds no model state (components.model)") from None
+
+
+def _run_tokenizer(run_dir: Path | None, cfg):
+    from .data import load_tokenizer
+    from .tokenizer import TokenizerError, from_file
+
+    saved = run_dir / "tokenizer.json" if run_dir is not None else None
+    if saved is not None and saved.is_file() and cfg.tokenizer.kind != "byte":
+        try:
+            return from_file(saved, kind=cfg.tokenizer.kind)
+        except TokenizerError as err:
+            raise SampleError(str(err)) from None
+    return load_tokenizer(cfg.data, cfg.tokenizer)
+
+
+def _load_model(cfg, state: Mapping[str, Any], device):
+    from .model import GPT
+
+    # The embedding's rows are the model's vocabulary, whatever model.vocab_size said (null: the tokenizer's).
+    cfg.model.vocab_size = int(state["tok_emb.weight"].shape[0])
+    model = GPT(cfg)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise SampleError(f"the checkpoint's model state does not fit its config: {str(err).splitlines()[0]}") from None
+    return model.to(device).eval()
+
+
+def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: int | None, generator) -> list[int]:
+    """`n_tokens` ids drawn one at a time after `ids`, each from the model's next-token distribution
+    (divided by `temperature`; temperature 0 takes the likeliest), conditioned on at most its context."""
+    import torch
+
+    device = next(model.parameters()).device
+    seq = torch.tensor([ids], dtype=torch.long, device=device)
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            logits = model(seq[:, -model.context :])[0, -1].float()
+            if temperature == 0:
+                nxt = int(logits.argmax())
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k < logits.numel():
+                    floor = torch.topk(logits, top_k).values[-1]
+                    logits = logits.masked_fill(logits < floor, float("-inf"))
+                nxt = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+            new.append(nxt)
+            seq = torch.cat([seq, torch.tensor([[nxt]], device=device)], dim=1)
+    return new

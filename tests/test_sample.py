@@ -1,0 +1,125 @@
+"""`normlab sample`: text from a trained run, reproducible per seed, and one-line errors for bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from normlab.cli import main
+from normlab.config import ModelConfig
+from normlab.sample import generate
+
+PROMPT = "def "
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A 3-step tiny run on a small text file, trained through the real command."""
+    root = tmp_path_factory.mktemp("sample-run")
+    text = root / "code.txt"
+    text.write_text("def square(x):\n    return x * x\n" * 200, encoding="utf-8")
+    out = root / "run"
+    args = ["model=tiny", "max_steps=3", "batch_size=4", "seq_len=16", "eval_batches=1", "eval_every=0",
+            "telemetry.every=0", "wandb.mode=disabled", "progress=false", "data=text", f"data.files=[{text}]",
+            f"hydra.run.dir={out}"]
+    result = subprocess.run([sys.executable, "-m", "normlab", "train", *args], cwd=root, capture_output=True,
+                            text=True, env=dict(os.environ), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_sample_prints_the_prompt_and_new_text(run_dir, capsys):
+    assert main(["sample", str(run_dir), "--prompt", PROMPT, "--tokens", "40", "--seed", "1"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(PROMPT) and text.endswith("\n")
+    # 40 byte tokens decode to 40 characters, fewer where bytes of a 3-step model are not valid UTF-8.
+    assert 40 // 4 <= len(text) - len(PROMPT) - 1 <= 40
+
+
+def test_sample_is_reproducible_per_seed_and_reads_a_checkpoint_file(run_dir, capsys):
+    checkpoint = sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1]
+    outputs = []
+    for path, seed in ((run_dir, 3), (checkpoint, 3), (run_dir, 4)):
+        assert main(["sample", str(path), "--tokens", "60", "--seed", str(seed), "--temperature", "1.5"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    assert outputs[0] != outputs[2]
+
+
+def test_temperature_zero_is_greedy_and_top_k_one_equals_it(run_dir, capsys):
+    main(["sample", str(run_dir), "--tokens", "30", "--temperature", "0", "--seed", "1"])
+    greedy = capsys.readouterr().out
+    main(["sample", str(run_dir), "--tokens", "30", "--top-k", "1", "--seed", "2"])
+    assert capsys.readouterr().out == greedy
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["no/such/run"], "no/such/run: no such file or directory"),
+        (["{tmp}"], "no checkpoint in"),
+        (["{tmp}/junk.pt"], "not written by normlab"),
+        (["{run}", "--tokens", "0"], "--tokens=0: must be an integer >= 1"),
+        (["{run}", "--temperature", "-1"], "--temperature=-1.0: must be a number >= 0"),
+        (["{run}", "--tokens", "many"], "invalid int value"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys, args, message):
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    args = [a.format(tmp=tmp_path, run=run_dir) for a in args]
+    assert main(["sample", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("normlab: error: ") and err.count("\n") == 1 and message in err
+
+
+def test_generate_conditions_on_at_most_the_context():
+    import torch
+
+    from normlab.config import RunConfig
+    from normlab.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(RunConfig(depth=1, model=ModelConfig(d_model=16, n_head=2, context=8, vocab_size=256))).eval()
+    new = generate(model, list(range(20)), 12, 1.0, None, torch.Generator().manual_seed(0))
+    assert len(new) == 12 and all(0 <= t < 256 for t in new)
+
+
+def test_help_lists_sample_and_sample_help_needs_no_torch():
+    code = (
+        "import sys\n"
+        "from normlab.cli import main\n"
+        "main(['--help'])\n"
+        "try:\n    main(['sample', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch imported' if 'torch' in sys.modules else 'torch-free')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "normlab sample RUN_DIR_OR_CHECKPOINT" in result.stdout and "--temperature" in result.stdout
+    assert result.stdout.rstrip().endswith("torch-free")
+
+
+def test_sample_decodes_with_the_runs_bpe(tmp_path, capsys):
+    """A checkpoint of a BPE run (written by hand here): the sample is decoded with the same BPE, found in the cache."""
+    import torch
+
+    from normlab import checkpoint
+    from normlab.config import DataConfig, RunConfig, TokenizerConfig
+    from normlab.data import load_corpus
+    from normlab.model import GPT
+
+    text = tmp_path / "code.txt"
+    text.write_text("def square(x):\n    return x * x\n" * 300, encoding="utf-8")
+    cfg = RunConfig(depth=1, model=ModelConfig(d_model=16, n_head=2, context=16, vocab_size=300), seq_len=16,
+                    data=DataConfig(source="text", files=[str(text)], cache_dir=str(tmp_path / "c")),
+                    tokenizer=TokenizerConfig(kind="bpe", vocab_size=300))
+    corpus = load_corpus(cfg.data, cfg.tokenizer)
+    payload = {"format": checkpoint.FORMAT, "step": 0, "components": {"model": GPT(cfg).state_dict()},
+               "loop": {}, "rng": {}, "config": checkpoint.flatten_config(cfg)}
+    path = checkpoint.checkpoint_path(tmp_path / "run", 0)
+    checkpoint.write_atomic(path, payload)
+    assert main(["sample", str(path), "--prompt", "def", "--tokens", "5", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    model = GPT(cfg).eval()
+    model.load_state_dict(payload["components"]["model"])
+    ids = generate(model, corpus.tokenizer.encode("def").tolist(), 5, 0.0, None, torch.Generator())
+    assert out == "def" + corpus.tokenizer.decode(ids) + "\n"

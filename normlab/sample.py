@@ -100,11 +100,11 @@ def saved_config(payload: Mapping[str, Any]):
 
 
 def model_state(payload: Mapping[str, Any]) -> dict:
-    """The model's state_dict in a checkpoint payload: `payload["components"]["model"]`."""
+    """The model's state_dict in a checkpoint payload: `payload["state"]["model"]` (TrainState.state_dict)."""
     try:
-        return payload["components"]["model"]
+        return payload["state"]["model"]
     except (KeyError, TypeError):
-        raise SampleError("the checkpoint holds no model state (components.model)") from None
+        raise SampleError("the checkpoint holds no model state (state.model)") from None
 
 
 def _run_tokenizer(run_dir: Path | None, cfg):

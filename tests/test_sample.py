@@ -113,13 +113,13 @@ def test_sample_decodes_with_the_runs_bpe(tmp_path, capsys):
                     data=DataConfig(source="text", files=[str(text)], cache_dir=str(tmp_path / "c")),
                     tokenizer=TokenizerConfig(kind="bpe", vocab_size=300))
     corpus = load_corpus(cfg.data, cfg.tokenizer)
-    payload = {"format": checkpoint.FORMAT, "step": 0, "components": {"model": GPT(cfg).state_dict()},
-               "loop": {}, "rng": {}, "config": checkpoint.flatten_config(cfg)}
+    payload = {"format": checkpoint.FORMAT, "step": 0, "state": {"model": GPT(cfg).state_dict()},
+               "callbacks": {}, "rng": {}, "config": checkpoint.flatten_config(cfg)}
     path = checkpoint.checkpoint_path(tmp_path / "run", 0)
     checkpoint.write_atomic(path, payload)
     assert main(["sample", str(path), "--prompt", "def", "--tokens", "5", "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     model = GPT(cfg).eval()
-    model.load_state_dict(payload["components"]["model"])
+    model.load_state_dict(payload["state"]["model"])
     ids = generate(model, corpus.tokenizer.encode("def").tolist(), 5, 0.0, None, torch.Generator())
     assert out == "def" + corpus.tokenizer.decode(ids) + "\n"

@@ -30,7 +30,7 @@ from .config import NORMS, PLACEMENTS, ConfigError, format_lr
 log = logging.getLogger("normlab")
 
 CONFIG_MODULE = "normlab.conf"
-CONFIG_GROUPS = ("model", "norm", "data", "optim", "experiment")
+CONFIG_GROUPS = ("model", "norm", "data", "tokenizer", "optim", "experiment")
 
 
 def register_resolvers(stamp: tuple[float, str] | None = None) -> None:
@@ -304,7 +304,7 @@ def _task(cfg: DictConfig) -> float:
     try:
         with preempt.watch() as previous_handlers:
             summary = train(run_cfg, hc.runtime.output_dir)
-    except (DataError, CheckpointError) as err:  # bad input, like a bad config value: one line, not a traceback
+    except (DataError, CheckpointError, ConfigError) as err:  # bad input, like a bad config value: one line, not a traceback
         return _stop(err)
     except preempt.Preempted as stop:
         log.warning("%s: %s; resume=auto in this run dir continues it", run_name(run_cfg), stop)

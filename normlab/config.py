@@ -77,7 +77,7 @@ class ModelConfig:
     context: int = 128  # number of learned positions: the longest sequence the model takes
     mlp_ratio: int = 4
     bias: bool = True  # biases of the linear layers
-    vocab_size: int = 256
+    vocab_size: int | None = 256  # null: the tokenizer's vocabulary (the presets' choice); else at least it
 
 
 @dataclass

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import math
 import os
 import random
@@ -44,7 +45,7 @@ from .callbacks import (
 )
 from .checkpoint import Checkpoint, CheckpointError, Checkpointer, resolve_resume, rewind
 from .config import RunConfig
-from .data import Corpus, eval_batches, load_corpus, sample_batch
+from .data import Corpus, bits_per_byte, eval_batches, load_corpus, model_vocab_size, sample_batch, target_bytes
 from .model import GPT
 from .preempt import Preempted
 from .sinks import RunDir, Sink, SinkContext, open_sinks
@@ -250,8 +251,9 @@ def train(
     opened: list[Sink] = []
     exit_code = 1
     try:
-        corpus = load_corpus(cfg.data)
-        summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256)
+        corpus = load_corpus(cfg.data, cfg.tokenizer)
+        summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256,
+                       tokenizer=corpus.tokenizer.identity)
         if resumed is not None:
             resumed.check_corpus(corpus.sha256)
         wandb_run_id = (resumed.wandb_run_id if resumed else None) or secrets.token_hex(4)
@@ -259,6 +261,8 @@ def train(
                                     world_size=distributed.world_size(), writes=writes)
         if writes:
             run_dir.write_config(cfg.to_dict())
+            if corpus.tokenizer.kind != "byte":
+                corpus.tokenizer.save(run_dir.path / "tokenizer.json")  # `normlab sample` decodes with it
             start_step = resumed.step if resumed else None
             history = rewind(run_dir.path, start_step or 0)
             context = SinkContext(cfg, run_dir, summary["name"], wandb_run_id, start_step, history)
@@ -301,13 +305,27 @@ def build_state(cfg: RunConfig, device: torch.device, precision: str) -> TrainSt
     return TrainState(model, optimizer, scaler, torch.Generator().manual_seed(cfg.seed))
 
 
-def held_out_batches(corpus: Corpus, cfg: RunConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+    """The fixed evaluation windows, and how many UTF-8 bytes their target tokens stand for."""
+
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    n_tokens: int
+    n_bytes: int
+
+    def bits_per_byte(self, mean_nats_per_token: float) -> float:
+        """A val loss in nats per token as bits per byte of the same text: comparable across tokenizers."""
+        return bits_per_byte(mean_nats_per_token, self.n_tokens, self.n_bytes)
+
+
+def held_out_batches(corpus: Corpus, cfg: RunConfig) -> HeldOut:
     """The fixed evaluation windows (they depend on batch_size alone), cut into micro-batches to bound memory."""
-    return [
+    batches = [
         (xm, ym)
         for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
         for xm, ym in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))
     ]
+    return HeldOut(batches, *target_bytes(batches, corpus.token_bytes))
 
 
 def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], checkpointer: Checkpointer,
@@ -333,6 +351,9 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
 def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkpointer, resumed: Checkpoint | None,
          extra: Sequence[Callback]) -> dict[str, Any]:
     """Build everything, restore a checkpoint if resuming, run the steps; return the run's results."""
+    # The model's vocabulary follows the tokenizer (model.vocab_size=null); the checkpoint keeps `cfg` as given.
+    vocab = model_vocab_size(cfg.model.vocab_size, corpus)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
     device = distributed.local_device(resolve_device(cfg.device))
     precision = resolve_precision(cfg.precision, device)
     seed_everything(cfg.seed)
@@ -348,7 +369,8 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkp
     for callback in callbacks:
         callback.on_train_start(state)
     next_batch = batch_loader(corpus.train, cfg, state.data_gen, device)
-    diverged_step = run_steps(cfg, state, (net, fast), next_batch, held_out_batches(corpus, cfg), callbacks, sinks, precision)
+    held_out = held_out_batches(corpus, cfg)
+    diverged_step = run_steps(cfg, state, (net, fast), next_batch, held_out, callbacks, sinks, precision)
 
     result: dict[str, Any] = {"status": "completed"}
     if resumed is not None:
@@ -360,6 +382,8 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkp
     result.update(
         final_val_loss=state.last_val,
         best_val_loss=state.best_val,
+        final_val_bpb=held_out.bits_per_byte(state.last_val),
+        best_val_bpb=held_out.bits_per_byte(state.best_val),
         steps=cfg.max_steps if diverged_step is None else diverged_step,
         tokens=state.tokens,
         n_params=sum(p.numel() for p in state.model.parameters()),
@@ -372,7 +396,7 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkp
     return result
 
 
-def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Module], next_batch, val_batches,
+def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Module], next_batch, held_out: HeldOut,
               callbacks: Sequence[Callback], sinks: Sequence[Sink], precision: str) -> int | None:
     """Train from `state.step` to cfg.max_steps, evaluating and logging on the way; return the step at
     which the run diverged, or None.
@@ -390,7 +414,8 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
         for step in range(state.step, cfg.max_steps + 1):
             record: dict[str, Any] = {"step": step, "tokens": state.tokens}
             if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.max_steps:
-                record["val_loss"] = _evaluate_into(state, val_batches, precision)
+                record["val_loss"] = _evaluate_into(state, held_out.batches, precision)
+                record["val_bpb"] = held_out.bits_per_byte(record["val_loss"])
             if step == cfg.max_steps:
                 _emit(sinks, record)
                 break

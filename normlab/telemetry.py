@@ -33,15 +33,16 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from .config import ALPHA_PARAMS, GAIN_PARAMS
+
 # Attention statistics are taken on the first sequences of the step's first micro-batch: the
 # explicit T×T score matrix is the most expensive statistic, and these sequences are the same ones
 # whatever grad_accum is.
 ATTN_PROBE_SEQS = 8
 
-# Norm parameters whose mean and std are the norm's gain (γ / w of LayerNorm, RMSNorm, BatchNorm;
-# ScaleNorm's scalar g), and DyT's scalar α.
-GAIN_PARAMS = ("weight", "g")
-ALPHA_PARAM = "alpha"
+# The norm registry names the parameters whose mean and std are a norm's gain (GAIN_PARAMS), and
+# DyT's scalar α, reported as norm/alpha: one name for every norm that has one.
+(ALPHA_PARAM,) = ALPHA_PARAMS
 
 LAYER_KEY = re.compile(r"^(?P<stat>.+?)/(?P<layer>L\d+)(?:/(?P<part>.+))?$")
 

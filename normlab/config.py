@@ -84,6 +84,16 @@ def norm_traits(name: str) -> NormTraits:
     return NORM_TRAITS[name]
 
 
+def check_norm_knob(norm: str, knob: str, value: Any) -> None:
+    """ConfigError naming the knob, the norm and its knobs, unless norm `norm` reads `knob`."""
+    knobs = norm_traits(norm).knobs
+    if knob not in knobs:
+        shown = str(value).lower() if isinstance(value, bool) else value
+        raise ConfigError(
+            f"norm.{knob}={shown}: norm={norm} has no knob {knob!r}; its knobs are {', '.join(knobs) or 'none'}"
+        )
+
+
 @dataclass(frozen=True)
 class PlacementTraits:
     """Which norm slots around each sublayer f a placement fills, and how it scales the residual."""
@@ -322,11 +332,23 @@ class RunConfig:
                 f"seq_len={self.seq_len} is larger than the model's context (model.context={self.model.context}): "
                 "lower seq_len or raise model.context"
             )
+        self._validate_norm_knobs()
         self._validate_combination()
         if self.data.source == "text" and not self.data.files:
             raise ConfigError("data.files is empty: data=text needs data.files=[path, ...]")
         if self.data.source == "hf" and not self.data.name:
             raise ConfigError("data.name is not set: data=hf needs data.name=<hub dataset name>")
+
+    def _validate_norm_knobs(self) -> None:
+        """A knob the norm does not read must keep its default: a set one would be silently ignored.
+
+        A knob at its default is fine, so a config that lists every knob (a saved run's) still loads.
+        """
+        defaults = NormConfig()
+        for f in fields(NormConfig):
+            value = getattr(self.norm, f.name)
+            if f.name != "name" and value != getattr(defaults, f.name):
+                check_norm_knob(self.norm.name, f.name, value)
 
     def _validate_combination(self) -> None:
         """Reject norm × placement × QK-norm combinations that make no sense, saying why."""

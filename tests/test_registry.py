@@ -21,7 +21,10 @@ from normlab.config import (
     ConfigError,
     NormConfig,
     NormTraits,
+    RunConfig,
 )
+from normlab.app import check_jobs
+from normlab.cli import main
 from normlab.model import GPT, block_slots
 from normlab.norms import NORM_CLASSES, Norm, build_norm, is_norm, needs_ddp_sync
 
@@ -125,3 +128,54 @@ def test_a_new_registry_row_is_a_norm_everywhere(peak, monkeypatch):
     with pytest.raises(ConfigError, match="qk_norm=true with norm=peak: PeakNorm is not a per-token norm"):
         tiny_config("peak", qk_norm=True)
     assert needs_ddp_sync(norms[0])
+
+
+# ---------------------------------------------------------------- knobs a norm does not read
+
+
+def test_a_knob_the_norm_does_not_read_is_refused_unless_at_its_default():
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({"norm": {"name": "scale", "weight": False}})
+    assert str(err.value) == "norm.weight=false: norm=scale has no knob 'weight'; its knobs are eps"
+    with pytest.raises(ConfigError, match="norm.momentum=0.3: norm=layer has no knob 'momentum'; its knobs are eps, weight, bias"):
+        RunConfig.from_dict({"norm": {"name": "layer", "momentum": 0.3}})
+    # At its default a knob changes nothing: a saved run's config lists every knob, and loads.
+    assert RunConfig.from_dict({"norm": {**NormConfig(name="scale").__dict__}}).norm.name == "scale"
+    assert RunConfig.from_dict({"norm": {"name": "dyt", "alpha_attn": 0.9, "weight": False}}).norm.label == "dyt_noweight"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["norm=scale", "norm.weight=false"], "norm.weight=false: norm=scale has no knob 'weight'; its knobs are eps"),
+        (["norm=scale", "+norm.weight=true"], "norm.weight=true: norm=scale has no knob 'weight'"),
+        (["norm=layer", "norm.causal=true"], "norm.causal=true: norm=layer has no knob 'causal'; its knobs are eps, weight, bias"),
+        (["-m", "norm=layer,dyt", "norm.alpha_attn=1.0"], "norm.alpha_attn=1.0: norm=layer has no knob 'alpha_attn'"),
+    ],
+)
+def test_the_cli_refuses_a_knob_the_norm_does_not_read_in_one_line(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *argv, "model=tiny", "max_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("normlab: error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_the_cli_check_passes_knobs_the_norm_reads():
+    check_jobs(["norm.name=rms", "norm.weight=false"], [], multirun=False)
+    check_jobs(["norm=layer,rms,dyt", "norm.weight=false,true"], [], multirun=True)
+    with pytest.raises(ConfigError, match="norm=dyt has no knob .eps.; its knobs are alpha_attn, alpha_mlp, alpha_final, weight, bias"):
+        check_jobs(["norm=layer,rms,dyt", "norm.eps=1e-6"], [], multirun=True)
+
+
+def test_a_preset_may_not_set_a_knob_off_its_default_for_a_norm_that_does_not_read_it(tmp_path, monkeypatch, capsys):
+    """The preset's DyT α would be silently ignored by its LayerNorm arms: a norm option file is the way."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "alpha.yaml").write_text(
+        "# @package _global_\nnorm:\n  alpha_attn: 1.0\nhydra:\n  sweeper:\n    params:\n      norm: layer,dyt\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "-m", "--config-dir", "conf", "+experiment=alpha", "model=tiny", "max_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "norm.alpha_attn=1.0: norm=layer has no knob 'alpha_attn'" in err and "norm=layer" in err.split("(in")[1]
+    assert not (tmp_path / "outputs").exists()

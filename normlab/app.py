@@ -12,8 +12,10 @@ saved, hands the signal on (to submitit's requeue, when there is one).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import os
 import secrets
 import sys
 import time
@@ -250,6 +252,10 @@ def run_train(argv: list[str]) -> int:
         return _fail(err)
     except Exception as err:  # Hydra's override grammar: one line is enough
         return _fail(f"could not parse the overrides: {str(err).splitlines()[0]}")
+    if args.multirun and any(o.startswith("hydra/launcher=") for o in args.overrides):
+        refusal = _slurm_preflight(args.overrides, config_dirs)
+        if refusal:
+            return _fail(refusal)
 
     from . import distributed
 
@@ -266,9 +272,34 @@ def run_train(argv: list[str]) -> int:
     return 0
 
 
+def _slurm_preflight(overrides: list[str], config_dirs: list[str]) -> str | None:
+    """For a sweep on submitit's SLURM launcher: SLURM's refusal of its settings as one line, else None
+    (and submitit's repeated sacct warnings shown once)."""
+    from . import slurm
+
+    launcher = slurm.launcher_config(CONFIG_MODULE, overrides, config_dirs)
+    if launcher is None:
+        return None
+    refusal = slurm.preflight(launcher)
+    if refusal is None:
+        slurm.quiet_sacct()
+    return refusal
+
+
 def _fail(err) -> int:
     print(f"normlab: error: {err}", file=sys.stderr)
     return 2
+
+
+def _stop(err) -> float:
+    """Bad input found by a job: one line, then exit code 2. In a submitit job (one task of a SLURM array)
+    the job stops alone and the sweep goes on: it returns NaN, as a failed arm does, since submitit
+    records no result for a job that exits, and its launcher would wait for one."""
+    code = _fail(err)
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        log.error("%s", err)
+        return math.nan
+    sys.exit(code)
 
 
 def _task(cfg: DictConfig) -> float:
@@ -281,11 +312,13 @@ def _task(cfg: DictConfig) -> float:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    if not distributed.is_active() and distributed.init_from_env():  # a SLURM job of several tasks
+        atexit.register(distributed.shutdown)
     try:
         run_cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
         distributed.check_batch_split(run_cfg)
     except ConfigError as err:
-        sys.exit(_fail(err))
+        return _stop(err)
     if multirun and run_cfg.wandb.group is None:
         run_cfg.wandb.group = Path(hc.sweep.dir).name
 
@@ -297,7 +330,7 @@ def _task(cfg: DictConfig) -> float:
         with preempt.watch() as previous_handlers:
             summary = train(run_cfg, hc.runtime.output_dir)
     except (DataError, CheckpointError) as err:  # bad input, like a bad config value: one line, not a traceback
-        sys.exit(_fail(err))
+        return _stop(err)
     except preempt.Preempted as stop:
         log.warning("%s: %s; resume=auto in this run dir continues it", run_name(run_cfg), stop)
         print(f"normlab: {run_name(run_cfg)} {stop}", file=sys.stderr)

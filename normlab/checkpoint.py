@@ -4,11 +4,10 @@ A checkpoint is taken at a step boundary. `step` k means: k optimizer updates ar
 every metrics record of steps < k has been emitted; the resumed loop continues at step k (it
 evaluates at step k if due, trains on batch k, and logs record k). A checkpoint holds
 
-  components      name -> state_dict() of each stateful part of the loop: model, optimizer,
-                  GradScaler, data sampler (the training-batch generator), divergence guard,
-                  and any other part registered in `_fit`'s `components` dict (e.g. telemetry)
-  loop            the loop's counters: tokens, best and last val loss, training time, the
-                  throughput window (so the summary of a resumed run equals an uninterrupted one's)
+  state           the TrainState (normlab.state): model, optimizer, GradScaler, data sampler
+                  (the training-batch generator), the step and the loop's counters
+  callbacks       callback name -> that callback's state_dict() (divergence guard, throughput
+                  clock, telemetry records, ...), so a resumed run's callbacks go on as they were
   rng             python, numpy, torch and CUDA generator states
   config          the run's flattened config, checked against the resuming run's
   corpus_sha256, wandb_run_id, world_size
@@ -27,20 +26,20 @@ import pickle
 import random
 import re
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from .config import RunConfig
+from .config import RunConfig, bookkeeping_keys
 
-FORMAT = "normlab-checkpoint/1"
+FORMAT = "normlab-checkpoint/2"
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 
-# Config keys a resumed run may change: they change neither the data nor the arithmetic of training.
-MAY_CHANGE_ON_RESUME = ("resume", "ckpt", "progress", "fail_fast", "device", "compile", "tf32", "wandb", "data.cache_dir")
+# Config keys a resumed run may change: the schema's bookkeeping, which changes no number of the result.
+MAY_CHANGE_ON_RESUME = bookkeeping_keys()
 
 
 class CheckpointError(RuntimeError):
@@ -53,17 +52,13 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
-class GeneratorState:
-    """A torch.Generator as a checkpoint component (the data sampler: its state decides the next batches)."""
+class TrainStateLike(Stateful, Protocol):
+    model: nn.Module
+    step: int
 
-    def __init__(self, generator: torch.Generator):
-        self.generator = generator
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"state": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["state"])
+class NamedStateful(Stateful, Protocol):
+    name: str  # the key of its state in the checkpoint
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
@@ -153,7 +148,7 @@ def _fsync_dir(folder: Path) -> None:
 
 
 class Checkpoint:
-    """A checkpoint read from disk: `step`, `wandb_run_id`, and `restore()` into a run's components."""
+    """A checkpoint read from disk: `step`, `wandb_run_id`, and `restore()` into a run's state and callbacks."""
 
     def __init__(self, path: Path, payload: dict[str, Any]):
         self.path = path
@@ -171,9 +166,15 @@ class Checkpoint:
             # torch's refusal of a non-weights pickle is a paragraph of advice; the gist fits in the line below.
             detail = "" if isinstance(err, pickle.UnpicklingError) else f" ({type(err).__name__}: {_first_line(err)})"
             raise CheckpointError(f"{path}: unreadable checkpoint: corrupt, truncated, or not written by normlab{detail}") from None
-        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        written = payload.get("format") if isinstance(payload, dict) else None
+        if isinstance(written, str) and written.startswith("normlab-checkpoint/") and written != FORMAT:
+            raise CheckpointError(
+                f"{path}: written by another normlab version (format {written!r}, this one reads {FORMAT!r}): "
+                "start afresh in a new run dir, or resume with the normlab that wrote it"
+            )
+        if written != FORMAT:
             raise CheckpointError(f"{path}: not a normlab checkpoint (expected format {FORMAT!r})")
-        missing = [k for k in ("step", "components", "loop", "rng", "config") if k not in payload]
+        missing = [k for k in ("step", "state", "callbacks", "rng", "config") if k not in payload]
         if missing:
             raise CheckpointError(f"{path}: incomplete checkpoint, it has no {', '.join(missing)}")
         return cls(path, payload)
@@ -210,20 +211,32 @@ class Checkpoint:
                 "the data changed, so the run cannot continue exactly"
             )
 
-    def restore(self, components: Mapping[str, Stateful]) -> dict[str, Any]:
-        """Load every component's state and the RNG states; return the loop's counters."""
-        states = self.payload["components"]
-        for name, component in components.items():
-            if name not in states:
-                raise CheckpointError(f"{self.path}: holds no state for {name!r} (it holds {', '.join(sorted(states))})")
-            if isinstance(component, nn.Module):
-                self._check_module(name, component, states[name])
-            try:
-                component.load_state_dict(states[name])
-            except (RuntimeError, ValueError, KeyError, TypeError) as err:
-                raise CheckpointError(f"{self.path}: the {name} state does not fit this run: {_first_line(err)}") from None
+    def restore(self, state: TrainStateLike, callbacks: Sequence[NamedStateful] = ()) -> None:
+        """Load the train state, every callback's state and the RNG states.
+
+        A callback the checkpoint holds no state for keeps its fresh state if that is empty (a
+        stateless callback added on resume); otherwise the checkpoint does not fit this run.
+        """
+        saved = self.payload["state"]
+        if "model" in saved:
+            self._check_module("model", state.model, saved["model"])
+        self._load("train", state, saved)
+        held = self.payload["callbacks"]
+        for callback in callbacks:
+            if callback.name in held:
+                self._load(f"{callback.name} callback", callback, held[callback.name])
+            elif callback.state_dict():
+                raise CheckpointError(
+                    f"{self.path}: holds no state for the {callback.name} callback "
+                    f"(it holds {', '.join(sorted(held)) or 'none'})"
+                )
         restore_rng(self.payload["rng"])
-        return dict(self.payload["loop"])
+
+    def _load(self, what: str, target: Stateful, state: Any) -> None:
+        try:
+            target.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{self.path}: the {what} state does not fit this run: {_first_line(err)}") from None
 
     def _check_module(self, name: str, module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         expected = module.state_dict()
@@ -260,19 +273,20 @@ class Checkpointer:
         """A periodic checkpoint after `step` updates; the final one is written by the caller at max_steps."""
         return self.every > 0 and step % self.every == 0 and step < self.max_steps
 
-    def save(self, step: int, components: Mapping[str, Stateful], loop: Mapping[str, Any]) -> Path | None:
-        """Write the checkpoint of step `step` (updates done) atomically; return its path (None when not writing)."""
+    def save(self, state: TrainStateLike, callbacks: Sequence[NamedStateful] = ()) -> Path | None:
+        """Write the checkpoint of `state` (`state.step` updates done) and its callbacks atomically;
+        return its path (None when not writing)."""
         if not self.writes:
             return None
         payload = {
             "format": FORMAT,
-            "step": step,
-            "components": {name: component.state_dict() for name, component in components.items()},
-            "loop": dict(loop),
+            "step": state.step,
+            "state": state.state_dict(),
+            "callbacks": {callback.name: callback.state_dict() for callback in callbacks},
             "rng": capture_rng(),
             **self._identity,
         }
-        path = checkpoint_path(self.run_dir, step)
+        path = checkpoint_path(self.run_dir, state.step)
         write_atomic(path, payload)
         for _, old in list_checkpoints(self.run_dir)[: -self.keep]:
             old.unlink(missing_ok=True)

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, get_args, get_origin, get_type_hints
 
+from .sinks import SINKS
+
 INITS = ("normal", "xavier")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -113,6 +115,13 @@ PLACEMENT_TRAITS: dict[str, PlacementTraits] = {
 PLACEMENTS = tuple(PLACEMENT_TRAITS)
 
 
+def bookkeeping(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A schema field that changes no number of the run's result: its name, where it runs, what it
+    logs and where it writes. Such a field may change when a run resumes, and two runs that differ
+    only in such fields belong to one arm in `normlab compare`; `bookkeeping_keys()` lists them."""
+    return field(default=default, default_factory=default_factory, metadata={"bookkeeping": True})
+
+
 @dataclass
 class NormConfig:
     """One norm type and its knobs; `NORM_TRAITS[name].knobs` are the ones the norm reads."""
@@ -159,7 +168,7 @@ class DataConfig:
     split: str = "train"
     text_field: str = "text"
     val_fraction: float = 0.1
-    cache_dir: str | None = None  # token cache; default ~/.cache/normlab
+    cache_dir: str | None = bookkeeping(None)  # token cache; default ~/.cache/normlab
 
 
 @dataclass
@@ -198,7 +207,7 @@ class CkptConfig:
 class RunConfig:
     """Everything one run needs. Short top-level keys are the ones users sweep."""
 
-    name: str = "run"
+    name: str = bookkeeping("run")
     norm: NormConfig = field(default_factory=NormConfig)
     placement: str = "pre"
     mix_p: float = 0.25  # placement=mix: the first ⌊mix_p·depth⌋ blocks are post-norm, the rest pre-norm
@@ -213,21 +222,22 @@ class RunConfig:
     max_steps: int = 600
     eval_every: int = 200
     eval_batches: int = 16
-    log_every: int = 10
+    log_every: int = bookkeeping(10)
     precision: str = "auto"
-    device: str = "auto"
-    compile: bool = False  # torch.compile the model for the training steps that take no telemetry
-    tf32: bool = True  # CUDA only: float32 matmuls on TF32 tensor cores (Ampere and later)
+    device: str = bookkeeping("auto")
+    compile: bool = bookkeeping(False)  # torch.compile the model for the training steps that take no telemetry
+    tf32: bool = bookkeeping(True)  # CUDA only: float32 matmuls on TF32 tensor cores (Ampere and later)
     diverge_factor: float = 3.0  # stop as diverged when the loss exceeds this × the initial loss; 0: only NaN/inf
-    fail_fast: bool = False  # in a multirun, stop the sweep at the first failed job
-    progress: bool = True
+    fail_fast: bool = bookkeeping(False)  # in a multirun, stop the sweep at the first failed job
+    progress: bool = bookkeeping(True)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-    ckpt: CkptConfig = field(default_factory=CkptConfig)
-    resume: str | None = "auto"  # null: start fresh; auto: newest checkpoint in the run dir, if any; or a path
+    wandb: WandbConfig = bookkeeping(default_factory=WandbConfig)
+    telemetry: TelemetryConfig = bookkeeping(default_factory=TelemetryConfig)
+    ckpt: CkptConfig = bookkeeping(default_factory=CkptConfig)
+    sinks: list = bookkeeping(default_factory=lambda: ["jsonl", "wandb"])  # where records go (normlab.sinks.SINKS)
+    resume: str | None = bookkeeping("auto")  # null: start fresh; auto: newest checkpoint in the run dir, if any; or a path
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], validate: bool = True) -> "RunConfig":
@@ -280,6 +290,9 @@ class RunConfig:
         _choice("device", self.device, DEVICES)
         _choice("data.source", self.data.source, DATA_SOURCES)
         _choice("wandb.mode", self.wandb.mode, WANDB_MODES)
+        for sink in self.sinks:
+            if not isinstance(sink, str) or sink not in SINKS:
+                raise ConfigError(f"sinks={self.sinks}: unknown sink {sink!r}; choose from {', '.join(SINKS)}")
         _positive("lr", self.lr)
         _positive("norm.eps", self.norm.eps)
         _at_least("depth", self.depth, 1)
@@ -380,6 +393,25 @@ class RunConfig:
                     f"norm={self.norm.label} takes its statistics {where}, which holds {values} value here: "
                     "raise batch_size/grad_accum (the micro-batch size) to at least 2"
                 )
+
+
+def bookkeeping_keys() -> tuple[str, ...]:
+    """The dotted keys of RunConfig marked `bookkeeping` ('name', 'ckpt', 'data.cache_dir', ...), in schema order.
+
+    A marked sub-config ('wandb') stands for every key under it ('wandb.mode', ...).
+    """
+    return _bookkeeping_keys(RunConfig, "")
+
+
+def _bookkeeping_keys(cls: type, prefix: str) -> tuple[str, ...]:
+    hints = get_type_hints(cls)
+    found: list[str] = []
+    for f in fields(cls):
+        if f.metadata.get("bookkeeping"):
+            found.append(prefix + f.name)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            found += _bookkeeping_keys(hints[f.name], f"{prefix}{f.name}.")
+    return tuple(found)
 
 
 def _choice(key: str, value: Any, allowed: tuple) -> None:

@@ -51,8 +51,23 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def export_slurm_tasks() -> None:
+    """In a submitit job of several tasks (hydra.launcher.tasks_per_node > 1 or nodes > 1), which SLURM
+    starts with SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID, set what torchrun would: RANK, WORLD_SIZE,
+    LOCAL_RANK, and MASTER_ADDR/MASTER_PORT (the job's first node, a port drawn from the job id).
+    Every task keeps seeing all the node's GPUs and drives the one of its LOCAL_RANK, as under torchrun."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or "WORLD_SIZE" in os.environ:
+        return
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
 def init_from_env() -> bool:
-    """Join the process group torchrun describes in the environment; False (and nothing done) without one."""
+    """Join the process group torchrun (or a SLURM job of several tasks, see `export_slurm_tasks`)
+    describes in the environment; False (and nothing done) without one."""
+    export_slurm_tasks()
     if not launched_by_torchrun() or is_active():
         return is_active()
     if torch.cuda.is_available():

@@ -17,16 +17,15 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from .compare import Arm, Comparison, Run, condition_label, mean_std, order_key
+from . import keys
+from .analysis import Arm, Comparison, Run, condition_label, mean_std, order_key
 from .config import NORMS, PLACEMENTS
 
 LOSS_CURVES = (("loss", "loss_train.png", "training loss"), ("val_loss", "loss_val.png", "validation loss"))
 LOSS_VS_LR = "final_val_loss_vs_lr.png"
-# metrics.jsonl key prefix (…/L03) -> file, axis label
-LAYER_STATS = (
-    ("grad/norm", "layers_grad_norm.png", "gradient norm"),
-    ("act/resid_rms", "layers_resid_rms.png", "residual-stream RMS"),
-)
+# The file of each per-layer statistic that keys.LAYER_PROFILES names; one added there without a file
+# here is drawn into layers_<stat with '/' as '_'>.png.
+LAYER_PROFILE_FILES = {keys.GRAD_NORM: "layers_grad_norm.png", keys.RESID_RMS: "layers_resid_rms.png"}
 PLACEMENT_STYLES = ("-", "--", ":", "-.")
 EXTRAS_MARKERS = ("o", "s", "^", "D", "v", "P", "*", "h")
 DIVERGED_MARKER = dict(marker="x", markersize=9, markeredgewidth=2, linestyle="none")
@@ -72,7 +71,8 @@ def write_plots(comparison: Comparison, out: Path) -> list[Plot]:
     for key, file, label in LOSS_CURVES:
         plots.append(_loss_curves(comparison, style, key, label, out / file))
     plots.append(_loss_vs_lr(comparison, style, out / LOSS_VS_LR))
-    for stat, file, label in LAYER_STATS:
+    for stat, label, _ in keys.LAYER_PROFILES:
+        file = LAYER_PROFILE_FILES.get(stat, f"layers_{stat.replace('/', '_')}.png")
         plots.append(_layer_profiles(comparison, style, stat, label, out / file))
     for plot in plots:
         if plot.skipped:  # a stale file from an earlier report would contradict report.md
@@ -201,3 +201,45 @@ def _layer_profiles(comparison: Comparison, style: Style, stat: str, label: str,
     fig.legend(handles=style.legend(), loc="outside right upper", fontsize=9)
     _save(fig, path)
     return plot
+
+
+def layer_heatmap(records, stat: str, title: str) -> bytes:
+    """A layer × step heatmap of the whole-block statistic `stat` (e.g. keys.RESID_RMS) over the
+    `records` that hold it, as PNG bytes. Rows are blocks, bottom to top; a missing or non-finite
+    value is a blank cell. The colour scale is logarithmic when the values are positive and span
+    more than a factor of 10."""
+    # Imported here, not at the top: the training loop renders heatmaps without importing compare's plots.
+    import io
+
+    import numpy as np
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+
+    from .keys import layer_label, layer_values
+
+    profiles = [(record.get("step"), layer_values(record, stat)) for record in records]
+    profiles = [(step, values) for step, values in profiles if values]
+    depth = 1 + max((max(values) for _, values in profiles), default=-1)
+    labels = [layer_label(i, depth) for i in range(depth)]
+    steps = [step for step, _ in profiles]
+    grid = np.array([[values.get(i, np.nan) for _, values in profiles] for i in range(depth)], dtype=float)
+
+    finite = grid[np.isfinite(grid)]
+    log_scale = finite.size > 0 and finite.min() > 0 and finite.max() > 10 * finite.min()
+    width = min(10.0, max(5.0, 0.3 * len(steps) + 2.5))  # wider grows the PNG (and its render time), not legibility
+    fig = Figure(figsize=(width, max(2.5, 0.35 * len(labels) + 1.2)), dpi=100)
+    ax = fig.add_subplot()
+    image = ax.imshow(np.ma.masked_invalid(grid), origin="lower", aspect="auto", interpolation="nearest",
+                      cmap="viridis", norm=LogNorm() if log_scale else None)
+    fig.colorbar(image, ax=ax)
+    ax.set_yticks(range(len(labels)), labels)
+    stride = max(1, math.ceil(len(steps) / 12))  # at most ~12 step labels
+    ticks = list(range(0, len(steps), stride))
+    ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
+    ax.set_xlabel("step")
+    ax.set_ylabel("block")
+    ax.set_title(title)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()

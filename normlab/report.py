@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .compare import Comparison, mean_std
+from .analysis import Comparison, mean_std
 from .config import NORM_TRAITS, format_lr
 from .plots import Plot
 

@@ -2,15 +2,17 @@
 
 On a telemetry step the training loop runs its micro-batches inside `probe.watch()`,
 then calls `measure_gradients` (accumulated, un-scaled gradient, before clipping),
-`before_update` (just before the optimizer step) and `collect` (after it). On any
-other step the Probe has no hook registered and does nothing.
+`before_update` (just before the optimizer step) and `collect` (after it); the Telemetry
+callback (normlab.callbacks) makes those calls. On any other step the Probe has no hook
+registered and does nothing. The Probe measures and returns records; it keeps no history
+and draws nothing (the end-of-run table and heatmaps are made from the records).
 
 Every statistic is reduced on the device to scalars (norms, maxima); `collect` moves
 them to the host in one transfer. Hooks attach to the eager modules and statistics are
 computed outside the model's forward, so a loop that runs a compiled model must run
 the eager one on telemetry steps.
 
-Keys (L03 = block 3, zero-padded so wandb's panels sort):
+Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     act/resid_rms/L03, act/resid_max/L03    the residual stream after block 3
     act/out_rms/L03/attn, .../mlp           a sublayer's output, before any output norm
     act/norm_in_rms/L03/norm1, act/norm_out_rms/L03/norm1, ... and .../norm_f
@@ -25,15 +27,14 @@ Keys (L03 = block 3, zero-padded so wandb's panels sort):
 from __future__ import annotations
 
 import contextlib
-import io
 import math
-import re
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from .config import ALPHA_PARAMS, GAIN_PARAMS
+from .keys import layer_key, layer_label
 
 # Attention statistics are taken on the first sequences of the step's first micro-batch: the
 # explicit T×T score matrix is the most expensive statistic, and these sequences are the same ones
@@ -43,14 +44,6 @@ ATTN_PROBE_SEQS = 8
 # The norm registry names the parameters whose mean and std are a norm's gain (GAIN_PARAMS), and
 # DyT's scalar α, reported as norm/alpha: one name for every norm that has one.
 (ALPHA_PARAM,) = ALPHA_PARAMS
-
-LAYER_KEY = re.compile(r"^(?P<stat>.+?)/(?P<layer>L\d+)(?:/(?P<part>.+))?$")
-
-
-def layer_label(index: int, depth: int) -> str:
-    """'L03' for block 3; wide enough that every label of a `depth`-block model has the same length."""
-    return f"L{index:0{max(2, len(str(depth - 1)))}d}"
-
 
 def attention_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The maximum pre-softmax logit q·k/sqrt(head_dim) over causal (query, key) pairs, and the
@@ -84,7 +77,7 @@ def _is_norm_slot(name: str, module: nn.Module) -> bool:
 
 
 class Probe:
-    """Measures one model's per-layer statistics on the steps `active` says, and keeps their history.
+    """Measures one model's per-layer statistics on the steps `active` says.
 
     `model` is a normlab GPT (or anything with `blocks`, `tok_emb`, `pos_emb`, `norm_f` and
     attention modules with `q_norm`/`k_norm`). `every=0` makes no step active.
@@ -100,7 +93,6 @@ class Probe:
         self.last_step = max_steps - 1
         depth = len(model.blocks)
         self.labels = [layer_label(i, depth) for i in range(depth)]
-        self.history: list[dict[str, Any]] = []  # one {"step": s, key: value, ...} per telemetry step
         self._params, self._groups = self._param_groups()
         self._norms = self._norm_modules()
         self._reset()
@@ -167,7 +159,7 @@ class Probe:
             handles.append(block.attn.register_forward_hook(self._on_attention(label)))
             handles.append(block.attn.q_norm.register_forward_hook(self._on_qk(label, "q")))
             handles.append(block.attn.k_norm.register_forward_hook(self._on_qk(label, "k")))
-            handles.append(block.mlp.register_forward_hook(self._on_output(f"act/out_rms/{label}/mlp")))
+            handles.append(block.mlp.register_forward_hook(self._on_output(layer_key("act/out_rms", label, "mlp"))))
         for loc, norm in self._norms.items():
             handles.append(norm.register_forward_hook(self._on_norm(loc)))
         try:
@@ -192,9 +184,9 @@ class Probe:
 
     def _on_stream(self, label: str):
         def hook(module, args, out):
-            self._record(f"act/resid_rms/{label}", out)
-            self._maxima.setdefault(f"act/resid_max/{label}", []).append(_max_abs(out))
-            self._watch_gradient(f"grad/resid_rms/{label}", out)
+            self._record(layer_key("act/resid_rms", label), out)
+            self._maxima.setdefault(layer_key("act/resid_max", label), []).append(_max_abs(out))
+            self._watch_gradient(layer_key("grad/resid_rms", label), out)
 
         return hook
 
@@ -219,14 +211,14 @@ class Probe:
 
     def _on_attention(self, label: str):
         def hook(module, args, out):
-            self._record(f"act/out_rms/{label}/attn", out)
+            self._record(layer_key("act/out_rms", label, "attn"), out)
             q, k = self._qk.pop(f"{label}/q", None), self._qk.pop(f"{label}/k", None)
-            if q is None or k is None or f"attn/entropy/{label}" in self._scalars:
+            if q is None or k is None or layer_key("attn/entropy", label) in self._scalars:
                 return  # only the step's first micro-batch, and only if heads() ran its q/k norms
             with torch.no_grad():
                 logit_max, entropy = attention_stats(q[:ATTN_PROBE_SEQS], k[:ATTN_PROBE_SEQS])
-            self._scalars[f"attn/logit_max/{label}"] = logit_max
-            self._scalars[f"attn/entropy/{label}"] = entropy
+            self._scalars[layer_key("attn/logit_max", label)] = logit_max
+            self._scalars[layer_key("attn/entropy", label)] = entropy
 
         return hook
 
@@ -261,8 +253,8 @@ class Probe:
                 self._scalars[f"norm/running_var/{loc}"] = running_var.float().mean()
 
     @torch.no_grad()
-    def collect(self, step: int) -> dict[str, float]:
-        """Finish the step and return every statistic as {key: float}; also appended to `history`.
+    def collect(self) -> dict[str, float]:
+        """Finish the step and return every statistic as {key: float}.
 
         Call after the optimizer step: the update ratio ‖ΔW‖/‖W‖ is over the step just taken.
         All device values reach the host in one transfer.
@@ -285,16 +277,8 @@ class Probe:
             host[name] = host_values[offset : offset + len(ts)]
             offset += len(ts)
         stats = self._combine(host)
-        self.history.append({"step": step, **stats})
         self._reset()
         return stats
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps: the history behind the end-of-run table and heatmaps."""
-        return {"history": [dict(entry) for entry in self.history]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history = [dict(entry) for entry in state["history"]]
 
     def _combine(self, host: dict[str, list[float]]) -> dict[str, float]:
         """Host-side arithmetic on the transferred scalars."""
@@ -319,84 +303,7 @@ class Probe:
                 stats[f"update_ratio/{loc}"] = _group_norm(host["delta"], members) / weight if weight > 0 else math.nan
         return dict(sorted(stats.items()))
 
-    # ------------------------------------------------------------------ end-of-run products
-
-    def layer_table(self) -> tuple[list[str], list[list[Any]]]:
-        """The per-layer statistics in long form: one row per (telemetry step, block).
-
-        Columns are 'step', 'layer' and one per statistic with the layer taken out of its key
-        ('act/resid_rms', 'grad/norm/attn', 'norm/gain_mean/norm1', ...); a missing value is None.
-        """
-        columns: set[str] = set()
-        rows_by_step = []
-        for entry in self.history:
-            per_layer: dict[str, dict[str, float]] = {label: {} for label in self.labels}
-            for key, value in entry.items():
-                m = LAYER_KEY.match(key)
-                if m and m["layer"] in per_layer:
-                    column = m["stat"] + (f"/{m['part']}" if m["part"] else "")
-                    per_layer[m["layer"]][column] = value
-                    columns.add(column)
-            rows_by_step.append((entry["step"], per_layer))
-        ordered = sorted(columns)
-        rows = [
-            [step, label, *(cells.get(c) for c in ordered)]
-            for step, per_layer in rows_by_step
-            for label, cells in per_layer.items()
-        ]
-        return ["step", "layer", *ordered], rows
-
-    def heatmap(self, stat: str, title: str) -> bytes:
-        """A layer × step heatmap of `stat` (e.g. 'act/resid_rms') over the history, as PNG bytes."""
-        import numpy as np
-
-        steps = [entry["step"] for entry in self.history]
-        grid = np.array(
-            [[_finite_or_nan(entry.get(f"{stat}/{label}")) for entry in self.history] for label in self.labels],
-            dtype=float,
-        )
-        return _render_heatmap(grid, self.labels, steps, title)
-
 
 def _group_norm(norms: list[float], members: list[int]) -> float:
     """The L2 norm of a group of tensors, from each member's L2 norm."""
     return math.sqrt(sum(norms[i] ** 2 for i in members))
-
-
-def _finite_or_nan(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
-
-
-def _render_heatmap(grid, row_labels: list[str], steps: list[int], title: str) -> bytes:
-    """Render `grid` (rows = layers, bottom to top; columns = steps); the colour scale is logarithmic
-    when the values are positive and span more than a factor of 10."""
-    # A bare Figure renders with the Agg canvas and never touches pyplot's global backend.
-    import numpy as np
-    from matplotlib.colors import LogNorm
-    from matplotlib.figure import Figure
-
-    finite = grid[np.isfinite(grid)]
-    log_scale = finite.size > 0 and finite.min() > 0 and finite.max() > 10 * finite.min()
-    width = min(10.0, max(5.0, 0.3 * len(steps) + 2.5))  # wider grows the PNG (and its render time), not legibility
-    fig = Figure(figsize=(width, max(2.5, 0.35 * len(row_labels) + 1.2)), dpi=100)
-    ax = fig.add_subplot()
-    image = ax.imshow(
-        np.ma.masked_invalid(grid),
-        origin="lower",
-        aspect="auto",
-        interpolation="nearest",
-        cmap="viridis",
-        norm=LogNorm() if log_scale else None,
-    )
-    fig.colorbar(image, ax=ax)
-    ax.set_yticks(range(len(row_labels)), row_labels)
-    stride = max(1, math.ceil(len(steps) / 12))  # at most ~12 step labels
-    ticks = list(range(0, len(steps), stride))
-    ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
-    ax.set_xlabel("step")
-    ax.set_ylabel("block")
-    ax.set_title(title)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()

@@ -1,9 +1,11 @@
 """The training loop: `train(cfg, run_dir)` trains one model and returns its summary.
 
-Knows nothing of Hydra. It reads a validated RunConfig, builds data and model,
-runs AdamW with warmup + cosine decay, evaluates on fixed held-out batches,
-measures per-layer telemetry on its steps (normlab.telemetry), and hands every
-record to the sinks (metrics.jsonl, wandb).
+Knows nothing of Hydra. It reads a validated RunConfig, builds data, model and the TrainState
+(normlab.state), runs AdamW with warmup + cosine decay, evaluates on fixed held-out batches, and
+hands every record to the sinks the config names (normlab.sinks). The loop (`run_steps`) reads top
+to bottom; everything beside training (telemetry, the divergence guard, checkpoints and
+preemption, the progress bar, the throughput clock) is a callback (normlab.callbacks) with hooks
+at fixed points of the step. The loop owns the run dir: it writes config.json and summary.json.
 
 Step convention: record `step` s holds what was measured at the weights after s
 updates: the training loss and gradient of batch s, and val_loss when evaluated.
@@ -11,10 +13,10 @@ So step 0 is initialization, and the final evaluation is logged at step max_step
 Telemetry steps (0, every telemetry.every steps, max_steps - 1) are always logged steps.
 
 Speed: with `compile=true` the other training steps run a torch.compile'd module, while
-telemetry steps and evaluation run the eager one (hooks attach to eager modules). The host
-reads device values (`.item()`) on logged steps only, the next batch is drawn, pinned and
-copied (non-blocking) once the current step is queued and checkpointed, and under DDP the
-ranks agree on a preemption request every PREEMPT_CHECK_EVERY steps, not with a collective per step.
+watched (telemetry) steps and evaluation run the eager one (hooks attach to eager modules). The
+host reads device values (`.item()`) on logged steps only, each batch is drawn, pinned and copied
+(non-blocking) while the previous step may still run on the device, and under DDP the ranks agree
+on a preemption request every PREEMPT_CHECK_EVERY steps (callbacks.py), not with a collective per step.
 On glibc, freed host memory is kept for reuse (configure_host_allocator), so CPU steps do not
 page-fault on their activations.
 """
@@ -27,10 +29,9 @@ import math
 import os
 import random
 import secrets
-import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -38,12 +39,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import distributed
-from .checkpoint import Checkpoint, CheckpointError, Checkpointer, GeneratorState, resolve_resume, rewind
+from .callbacks import (
+    Callback, Checkpointing, DivergenceGuard, Diverged, ProgressBar, Telemetry, TelemetryProducts, ThroughputClock,
+)
+from .checkpoint import Checkpoint, CheckpointError, Checkpointer, resolve_resume, rewind
 from .config import RunConfig
 from .data import Corpus, eval_batches, load_corpus, sample_batch
 from .model import GPT
-from .preempt import Preempted, requested
-from .sinks import MetricsFile, RunDir, Sink, WandbSink
+from .preempt import Preempted
+from .sinks import RunDir, Sink, SinkContext, open_sinks
+from .state import TrainState
 from .telemetry import Probe
 
 
@@ -99,11 +104,6 @@ def resolve_precision(name: str, device: torch.device) -> str:
 
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-# Under DDP, asking every rank whether any was signalled is a collective (a host sync): ask every
-# this many steps, at checkpoint steps and at the last step. A preempted DDP run so stops up to this
-# many steps after the signal: keep the scheduler's warning time above that many step times.
-PREEMPT_CHECK_EVERY = 10
 
 
 def configure_matmul(device: torch.device, tf32: bool) -> None:
@@ -219,33 +219,25 @@ def evaluate(model: nn.Module, batches, device: torch.device, precision: str) ->
     return (distributed.total(total) / len(batches)).item()
 
 
-def build_sinks(cfg: RunConfig, run_dir: RunDir, name: str, wandb_run_id: str | None = None,
-                history: list[dict[str, Any]] | None = None) -> list[Sink]:
-    """metrics.jsonl and wandb. `history`: the records a resumed run already holds (None: a fresh run)."""
-    sinks: list[Sink] = [MetricsFile(run_dir)]
-    if cfg.wandb.mode != "disabled":
-        tags = [f"norm={cfg.norm.label}", f"placement={cfg.placement}", f"qk_norm={str(cfg.qk_norm).lower()}"]
-        sinks.append(WandbSink(cfg.wandb, run_dir, name, cfg.to_dict(), tags, run_id=wandb_run_id, history=history))
-    return sinks
+def train(
+    cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None, callbacks: Sequence[Callback] = ()
+) -> dict[str, Any]:
+    """Train one model as `cfg` says; write config.json and summary.json into `run_dir`; return the summary.
 
-
-def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None) -> dict[str, Any]:
-    """Train one model as `cfg` says; write metrics.jsonl and summary.json into `run_dir`; return the summary.
-
-    The sinks are always finished, with a non-zero exit code if training raised. `cfg.resume`
-    decides where training starts (see checkpoint.resolve_resume); a checkpoint that does not
-    fit raises CheckpointError and leaves `run_dir` untouched. A preemption signal (preempt.py)
-    raises Preempted after the checkpoint is saved. Under torchrun only rank 0 writes files.
-    Given `sinks` are used as they are: pass them for a fresh run only, since a resumed run
-    rewinds metrics.jsonl before it opens its own.
+    The sinks are the ones `cfg.sinks` names (or, given, `sinks` as they are: pass them for a fresh
+    run only, since a resumed run rewinds metrics.jsonl before it opens its own); they are always
+    finished, with a non-zero exit code if training raised. `callbacks` run after the built-in ones
+    at every hook, before checkpointing, and are checkpointed with them. `cfg.resume` decides where
+    training starts (see checkpoint.resolve_resume); a checkpoint that does not fit raises
+    CheckpointError and leaves `run_dir` untouched. A preemption signal (preempt.py) raises
+    Preempted after the checkpoint is saved. Under torchrun only rank 0 writes files.
     """
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-    name = run_name(cfg)
     started = time.time()
     writes = distributed.is_main()
     resumed = resolve_resume(cfg, run_dir.path)
     summary: dict[str, Any] = {
-        "name": name,
+        "name": run_name(cfg),
         "norm": cfg.norm.label,
         "placement": cfg.placement,
         "qk_norm": cfg.qk_norm,
@@ -255,7 +247,7 @@ def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None
         "group": cfg.wandb.group,
         "status": "running",
     }
-    built_sinks: list[Sink] = []
+    opened: list[Sink] = []
     exit_code = 1
     try:
         corpus = load_corpus(cfg.data)
@@ -266,12 +258,12 @@ def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None
         checkpointer = Checkpointer(run_dir.path, cfg, wandb_run_id=wandb_run_id, corpus_sha256=corpus.sha256,
                                     world_size=distributed.world_size(), writes=writes)
         if writes:
-            history = rewind(run_dir.path, resumed.step if resumed else 0)
-            if sinks is None:
-                built_sinks = build_sinks(cfg, run_dir, name, wandb_run_id, history if resumed else None)
-            else:
-                built_sinks = sinks
-        summary.update(_fit(cfg, corpus, built_sinks, checkpointer, resumed))
+            run_dir.write_config(cfg.to_dict())
+            start_step = resumed.step if resumed else None
+            history = rewind(run_dir.path, start_step or 0)
+            context = SinkContext(cfg, run_dir, summary["name"], wandb_run_id, start_step, history)
+            opened = open_sinks(context) if sinks is None else sinks
+        summary.update(_fit(cfg, corpus, opened, checkpointer, resumed, callbacks))
         exit_code = 0  # a diverged run is an outcome, not a failure
     except Preempted as stop:
         summary.update(status="preempted", preempted_step=stop.step)
@@ -286,63 +278,18 @@ def train(cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None
         raise
     finally:
         summary["wall_time_s"] = round(time.time() - started, 3)
-        if writes and not built_sinks:
+        if writes:
             run_dir.write_summary(summary)
-        for sink in built_sinks:
+        for sink in opened:
             sink.finish(summary, exit_code)
     return summary
 
 
-class DivergenceGuard:
-    """Remembers, on the device, the first step whose training loss is non-finite or above
-    `factor` × the initial loss (factor 0: only non-finite counts). The host reads it on logged steps only."""
-
-    def __init__(self, factor: float, device: torch.device):
-        self.factor = factor
-        self.limit: torch.Tensor | None = None
-        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
-
-    def observe(self, step: int, loss: torch.Tensor) -> None:
-        if self.limit is None:
-            self.limit = loss * self.factor if self.factor > 0 else torch.full_like(loss, math.inf)
-        bad = ~torch.isfinite(loss) | (loss > self.limit)
-        self.first_bad = torch.where(bad & (self.first_bad < 0), step, self.first_bad)
-
-    def diverged_at(self) -> int | None:
-        step = int(self.first_bad.item())
-        return None if step < 0 else step
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"factor": self.factor, "limit": self.limit, "first_bad": self.first_bad}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        device = self.first_bad.device
-        self.limit = None if state["limit"] is None else state["limit"].to(device)
-        self.first_bad = state["first_bad"].to(device)
-
-
-def _fit(
-    cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkpointer, resumed: Checkpoint | None
-) -> dict[str, Any]:
-    device = distributed.local_device(resolve_device(cfg.device))
-    precision = resolve_precision(cfg.precision, device)
-    seed_everything(cfg.seed)
-    configure_matmul(device, cfg.tf32)
-    configure_host_allocator()
+def build_state(cfg: RunConfig, device: torch.device, precision: str) -> TrainState:
+    """A fresh TrainState: the seeded model on `device`, AdamW over its parameter groups, the GradScaler
+    (active under fp16 only), and the data generator, whose draws depend on the seed alone (never on the
+    model), so every arm of a sweep sees the same batches."""
     model = GPT(cfg).to(device)
-    net = distributed.wrap(model, device, sync_batchnorm=cfg.norm.sync)  # `model` itself for one process
-    # Telemetry steps and evaluation run eager `net`/`model`; checkpoints hold `model`, so no `_orig_mod.` keys.
-    fast = torch.compile(net) if cfg.compile else net
-    compile_time: float | None = None
-    eval_time = 0.0  # what the evaluations cost beside the steps (summary.json's eval_time_s)
-    # Data order depends on the seed alone, never on the model: every arm of a sweep sees the same batches.
-    data_gen = torch.Generator().manual_seed(cfg.seed)
-    # The held-out windows depend on batch_size alone; evaluating them in micro-batches bounds memory.
-    val_batches = [
-        (xm, ym)
-        for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
-        for xm, ym in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))
-    ]
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.optim.weight_decay),
         lr=cfg.lr,
@@ -351,178 +298,148 @@ def _fit(
         fused=device.type == "cuda",
     )
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    probe = Probe(model, cfg.telemetry.every, cfg.max_steps)
-    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    return TrainState(model, optimizer, scaler, torch.Generator().manual_seed(cfg.seed))
 
-    guard = DivergenceGuard(cfg.diverge_factor, device)
-    diverged_step: int | None = None
-    best_val, last_val = math.inf, math.nan
-    tokens, train_time = 0, 0.0
-    window_tokens, window_time = 0, 0.0
 
-    # Everything a checkpoint saves and restores: any object with state_dict() and load_state_dict().
-    components = {
-        "model": model,
-        "optimizer": optimizer,
-        "scaler": scaler,
-        "data_sampler": GeneratorState(data_gen),
-        "divergence_guard": guard,
-        "telemetry": probe,
-    }
+def held_out_batches(corpus: Corpus, cfg: RunConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed evaluation windows (they depend on batch_size alone), cut into micro-batches to bound memory."""
+    return [
+        (xm, ym)
+        for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
+        for xm, ym in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))
+    ]
 
-    def loop_counters() -> dict[str, Any]:
-        return dict(tokens=tokens, best_val=best_val, last_val=last_val, train_time=train_time,
-                    window_tokens=window_tokens, window_time=window_time, eval_time=eval_time)
 
-    start_step = 0
+def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], checkpointer: Checkpointer,
+                       device: torch.device, extra: Sequence[Callback] = ()) -> list[Callback]:
+    """The loop's callbacks in hook order, `extra` ones before checkpointing (which saves them all).
+
+    The guard comes first (it stops a diverged step before anything measures it), then telemetry, then
+    the clock (whose step time so includes telemetry's cost), then what reads the finished record.
+    """
+    callbacks: list[Callback] = [
+        DivergenceGuard(cfg.diverge_factor, device),
+        Telemetry(Probe(state.model, cfg.telemetry.every, cfg.max_steps)),
+        ThroughputClock(cfg.batch_size * cfg.seq_len, compiled=cfg.compile),
+        TelemetryProducts(sinks),
+    ]
+    if cfg.progress and distributed.is_main():
+        callbacks.append(ProgressBar(cfg.max_steps, run_name(cfg)))
+    callbacks += extra
+    callbacks.append(Checkpointing(checkpointer, callbacks, cfg.max_steps))
+    return callbacks
+
+
+def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkpointer, resumed: Checkpoint | None,
+         extra: Sequence[Callback]) -> dict[str, Any]:
+    """Build everything, restore a checkpoint if resuming, run the steps; return the run's results."""
+    device = distributed.local_device(resolve_device(cfg.device))
+    precision = resolve_precision(cfg.precision, device)
+    seed_everything(cfg.seed)
+    configure_matmul(device, cfg.tf32)
+    configure_host_allocator()
+    state = build_state(cfg, device, precision)
+    net = distributed.wrap(state.model, device, sync_batchnorm=cfg.norm.sync)  # the model itself for one process
+    # Watched steps and evaluation run eager `net`/`model`; checkpoints hold `model`, so no `_orig_mod.` keys.
+    fast = torch.compile(net) if cfg.compile else net
+    callbacks = standard_callbacks(cfg, state, sinks, checkpointer, device, extra)
     if resumed is not None:
-        counters = resumed.restore(components)
-        start_step = resumed.step
-        tokens, best_val, last_val = counters["tokens"], counters["best_val"], counters["last_val"]
-        train_time, window_tokens, window_time = counters["train_time"], counters["window_tokens"], counters["window_time"]
-        eval_time = counters.get("eval_time", 0.0)  # absent from checkpoints written before it was counted
+        resumed.restore(state, callbacks)
+    for callback in callbacks:
+        callback.on_train_start(state)
+    next_batch = batch_loader(corpus.train, cfg, state.data_gen, device)
+    diverged_step = run_steps(cfg, state, (net, fast), next_batch, held_out_batches(corpus, cfg), callbacks, sinks, precision)
 
-    bar = _progress(cfg, start_step) if distributed.is_main() else None
-    next_batch = batch_loader(corpus.train, cfg, data_gen, device)
-    batch = next_batch() if start_step < cfg.max_steps else None
-    model.train()
-    for step in range(start_step, cfg.max_steps + 1):
-        record: dict[str, Any] = {"step": step, "tokens": tokens}
-        if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.max_steps:
-            t_eval = time.perf_counter()
-            last_val = evaluate(model, val_batches, device, precision)
-            eval_time += time.perf_counter() - t_eval
-            if not math.isfinite(last_val):
-                diverged_step = step
-                break
-            best_val = min(best_val, last_val)
-            record["val_loss"] = last_val
-        if step == cfg.max_steps:
-            _emit(sinks, record)
-            break
-
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = batch
-        # Hooks exist only inside this block on telemetry steps, on the eager modules; other steps run
-        # the bare (or compiled) model.
-        watching = probe.active(step)
-        first_compiled = cfg.compile and compile_time is None and not watching
-        with probe.watch() if watching else contextlib.nullcontext():
-            loss = distributed.mean(
-                accumulate_gradients(net if watching else fast, x, y, cfg.grad_accum, scaler, device, precision)
-            )
-        guard.observe(step, loss)
-        scaler.unscale_(optimizer)
-        if watching:
-            probe.measure_gradients(scaler)  # the accumulated, un-scaled gradient, before clipping
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        if watching:
-            probe.before_update()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        tokens += tokens_per_step
-
-        logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record or watching
-        if logged:
-            diverged_step = guard.diverged_at()
-            if diverged_step is not None:
-                break
-            loss_value = loss.item()
-        telemetry = probe.collect(step) if watching else {}  # telemetry's one host transfer
-        elapsed = time.perf_counter() - t0
-        if first_compiled:
-            compile_time = elapsed
-        train_time += elapsed
-        window_time += elapsed
-        window_tokens += tokens_per_step
-        if logged:
-            record.update(
-                loss=loss_value,
-                lr=lr,
-                grad_norm=grad_norm.item(),
-                tokens_per_s=window_tokens / window_time,
-            )
-            record.update(telemetry)
-            window_tokens, window_time = 0, 0.0
-            _emit(sinks, record)
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-        if bar is not None:
-            bar.update(1)
-
-        # A step boundary: step + 1 updates are done and every record up to `step` is emitted.
-        due = checkpointer.due(step + 1)
-        stop = requested() is not None
-        if distributed.is_active():
-            # A collective: all ranks ask at the same steps, so all stop at the same step.
-            asks = due or (step + 1) % PREEMPT_CHECK_EVERY == 0 or step + 1 == cfg.max_steps
-            stop = asks and distributed.any_rank(stop)
-        if stop or due:
-            checkpointer.save(step + 1, components, loop_counters())
-        if stop:
-            distributed.barrier()  # no rank exits before rank 0's checkpoint is on disk
-            raise Preempted(requested() or signal.SIGTERM, step + 1)
-        if step + 1 < cfg.max_steps:
-            # Drawn after the checkpoint, whose generator state is so the one before this batch.
-            t_fetch = time.perf_counter()
-            batch = next_batch()
-            fetch_time = time.perf_counter() - t_fetch
-            train_time += fetch_time
-            window_time += fetch_time
-    if bar is not None:
-        bar.close()
-    if diverged_step is None:
-        checkpointer.save(cfg.max_steps, components, loop_counters())
     result: dict[str, Any] = {"status": "completed"}
     if resumed is not None:
         result["resumed_from_step"] = resumed.step
     if diverged_step is not None:
-        _emit(sinks, {"step": diverged_step, "tokens": diverged_step * tokens_per_step, "status": "diverged"})
+        _emit(sinks, {"step": diverged_step, "tokens": diverged_step * cfg.batch_size * cfg.seq_len, "status": "diverged"})
         result.update(status="diverged", diverged_step=diverged_step)
-        last_val = math.nan
-    elif probe.history:
-        _emit_telemetry_products(sinks, probe)
-    return {
-        **result,
-        "final_val_loss": last_val,
-        "best_val_loss": best_val,
-        "steps": cfg.max_steps if diverged_step is None else diverged_step,
-        "tokens": tokens,
-        "tokens_per_s": tokens / train_time if train_time > 0 else 0.0,
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "device": device.type,
-        "precision": precision,
-        "eval_time_s": round(eval_time, 3),
-        **({"compile_time_s": round(compile_time, 3)} if compile_time is not None else {}),
-    }
+        state.last_val = math.nan
+    result.update(
+        final_val_loss=state.last_val,
+        best_val_loss=state.best_val,
+        steps=cfg.max_steps if diverged_step is None else diverged_step,
+        tokens=state.tokens,
+        n_params=sum(p.numel() for p in state.model.parameters()),
+        device=device.type,
+        precision=precision,
+        eval_time_s=round(state.eval_time, 3),
+    )
+    for callback in callbacks:
+        callback.on_train_end(state, result)
+    return result
 
 
-def _emit(sinks: list[Sink], record: dict[str, Any]) -> None:
+def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Module], next_batch, val_batches,
+              callbacks: Sequence[Callback], sinks: Sequence[Sink], precision: str) -> int | None:
+    """Train from `state.step` to cfg.max_steps, evaluating and logging on the way; return the step at
+    which the run diverged, or None.
+
+    `models`: the eager model (DDP-wrapped under torchrun) and the one to run on steps no callback
+    watches (compiled under compile=true). Record `step` s holds what was measured at the weights after
+    s updates: the training loss and gradient of batch s, and val_loss when evaluated; the last record
+    (step max_steps) holds the final evaluation alone.
+    """
+    eager, fast = models
+    device = next(state.model.parameters()).device
+    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    state.model.train()
+    try:
+        for step in range(state.step, cfg.max_steps + 1):
+            record: dict[str, Any] = {"step": step, "tokens": state.tokens}
+            if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.max_steps:
+                record["val_loss"] = _evaluate_into(state, val_batches, precision)
+            if step == cfg.max_steps:
+                _emit(sinks, record)
+                break
+
+            state.lr, state.watched = lr_at(step, cfg), False
+            _call(callbacks, "on_step_start", state)
+            x, y = next_batch()
+            for group in state.optimizer.param_groups:
+                group["lr"] = state.lr
+            model = eager if state.watched else fast
+            state.loss = distributed.mean(accumulate_gradients(model, x, y, cfg.grad_accum, state.scaler, device, precision))
+            state.scaler.unscale_(state.optimizer)
+            _call(callbacks, "after_backward", state)
+            state.grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm)
+            _call(callbacks, "before_optimizer_step", state)
+            state.scaler.step(state.optimizer)
+            state.scaler.update()
+            state.optimizer.zero_grad(set_to_none=True)
+            state.step, state.tokens = step + 1, state.tokens + cfg.batch_size * cfg.seq_len
+
+            logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record or state.watched
+            if logged:  # the step's host syncs; other steps keep their figures on the device
+                record.update(loss=state.loss.item(), lr=state.lr, grad_norm=state.grad_norm.item())
+            _call(callbacks, "after_optimizer_step", state, record if logged else None)
+            if logged:
+                _emit(sinks, record)
+            _call(callbacks, "on_step_end", state, record if logged else None)
+    except Diverged as stop:
+        return stop.step
+    return None
+
+
+def _evaluate_into(state: TrainState, val_batches, precision: str) -> float:
+    """Evaluate the eager model, keep the last and best val loss and the evaluation time in `state`;
+    raise Diverged if the loss is not finite."""
+    started = time.perf_counter()
+    state.last_val = evaluate(state.model, val_batches, next(state.model.parameters()).device, precision)
+    state.eval_time += time.perf_counter() - started
+    if not math.isfinite(state.last_val):
+        raise Diverged(state.step)
+    state.best_val = min(state.best_val, state.last_val)
+    return state.last_val
+
+
+def _call(callbacks: Sequence[Callback], hook: str, *args) -> None:
+    for callback in callbacks:
+        getattr(callback, hook)(*args)
+
+
+def _emit(sinks: Sequence[Sink], record: dict[str, Any]) -> None:
     for sink in sinks:
         sink.log(record)
-
-
-def _emit_telemetry_products(sinks: list[Sink], probe: Probe) -> None:
-    """The end-of-run per-layer table and layer × step heatmaps of residual RMS and gradient norm."""
-    columns, rows = probe.layer_table()
-    images = {
-        "telemetry/resid_rms": probe.heatmap("act/resid_rms", "RMS of the residual stream after each block"),
-        "telemetry/grad_norm": probe.heatmap("grad/norm", "L2 norm of each block's parameter gradient"),
-    }
-    for sink in sinks:
-        sink.log_table("telemetry/layers", columns, rows)
-        for name, png in images.items():
-            sink.log_image(name, png)
-
-
-def _progress(cfg: RunConfig, start_step: int = 0):
-    if not cfg.progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=cfg.max_steps, initial=start_step, desc=run_name(cfg), unit="step", dynamic_ncols=True)

@@ -1,6 +1,7 @@
 """Training-step speed of normlab next to a minimal hand-written PyTorch GPT of the same shapes.
 
     python scripts/bench.py [OVERRIDE ...] [--rounds 3] [--windows 3] [--threads N] [--only NAME,...]
+                            [--peak-size 1024]
 
 OVERRIDEs are normlab's Hydra overrides (`norm=rms depth=6 batch_size=16`); the config is composed
 as `normlab train` composes it. Every variant runs in a fresh subprocess (so each has its own peak
@@ -17,10 +18,10 @@ makes (normlab.train.configure_host_allocator), to separate the loops from the a
 Printed: tokens/s; model FLOP/s and MFU, with model FLOPs per token = 6·N + 12·L·d·T (N: the
 weights of the matmuls, i.e. the blocks' linear layers and the head; L blocks, width d, sequence T;
 PaLM's estimate, Chowdhery et al. 2022, appendix B) against the peak matmul FLOP/s measured here
-for the dtype; peak memory (CUDA: max_memory_allocated; CPU: the process's peak RSS); normlab's
-step time over the reference's; minor page faults per step; the compile time; the cost of the
-loop's per-step extras; the norm's own cost beside the RMSNorm − LayerNorm step time difference;
-and the load average.
+for the dtype (--peak-size: the side of the square matmul timed); peak memory (CUDA:
+max_memory_allocated; CPU: the process's peak RSS); normlab's step time over the reference's;
+minor page faults per step; the compile time; the cost of the loop's per-step extras; the norm's
+own cost beside the RMSNorm − LayerNorm step time difference; and the load average.
 """
 
 from __future__ import annotations
@@ -245,15 +246,15 @@ def norm_cost(cfg, norm: str, device: torch.device, repeats: int = 50) -> float:
 def loop_extras(cfg, step_s: float) -> list[tuple[str, float]]:
     """Seconds per step of each thing normlab's loop does that a minimal loop does not, timed alone."""
     from normlab import distributed
-    from normlab.checkpoint import Checkpointer, GeneratorState
+    from normlab.callbacks import DivergenceGuard
+    from normlab.checkpoint import Checkpointer
     from normlab.config import TelemetryConfig
-    from normlab.model import GPT
     from normlab.sinks import MetricsFile, RunDir
     from normlab.telemetry import Probe
-    from normlab.train import DivergenceGuard, lr_at, param_groups
+    from normlab.train import build_state, lr_at
 
-    model = GPT(cfg)
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=cfg.lr)
+    state = build_state(cfg, torch.device("cpu"), "fp32")
+    model, optimizer = state.model, state.optimizer
     guard = DivergenceGuard(cfg.diverge_factor, torch.device("cpu"))
     probe = Probe(model, TelemetryConfig().every, cfg.max_steps)
     loss = torch.tensor(5.0)
@@ -281,10 +282,9 @@ def loop_extras(cfg, step_s: float) -> list[tuple[str, float]]:
 
     with tempfile.TemporaryDirectory() as d:
         checkpointer = Checkpointer(d, cfg, wandb_run_id="x", corpus_sha256="0", world_size=1, writes=True)
-        components = {"model": model, "optimizer": optimizer, "data_sampler": GeneratorState(torch.Generator()),
-                      "divergence_guard": guard}
+        state.step = cfg.ckpt.every or 1
         t = time.perf_counter()
-        checkpointer.save(cfg.ckpt.every or 1, components, {})
+        checkpointer.save(state, [guard])
         save_s = time.perf_counter() - t
         metrics = MetricsFile(RunDir(d))
         record = {"step": 0, "tokens": 0, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0}
@@ -350,7 +350,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = compose(overrides)
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     # The peak is measured in every worker, beside the variant; the report takes the best.
-    result_peak = {p: peak_matmul_flops(dt, device) for p, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    result_peak = {p: peak_matmul_flops(dt, device, spec["peak_size"])
+                   for p, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     if loop == "ref-malloc":  # the reference with the host allocator setting normlab's train() makes
         from normlab.train import configure_host_allocator
 
@@ -368,15 +369,22 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line: overrides and options (and --worker, which the driver passes to its subprocesses)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="normlab Hydra overrides, e.g. norm=rms depth=6")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved variants")
     parser.add_argument("--windows", type=int, default=3, help="timed windows of log_every steps per variant and round")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
+    parser.add_argument("--peak-size", type=int, default=1024,
+                        help="side n of the n×n @ n×n matmul timed for the peak FLOP/s (smaller: a quicker, lower peak)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
@@ -397,7 +405,8 @@ def main() -> int:
     started = time.time()
     for r in range(args.rounds):
         for name in names:
-            spec = {"variant": name, "overrides": args.overrides, "windows": args.windows, "threads": args.threads}
+            spec = {"variant": name, "overrides": args.overrides, "windows": args.windows, "threads": args.threads,
+                    "peak_size": args.peak_size}
             proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
@@ -427,7 +436,8 @@ def main() -> int:
     print(f"model: {cfg.depth} blocks, width {cfg.model.d_model}, {cfg.model.n_head} heads, seq {cfg.seq_len}, "
           f"batch {cfg.batch_size}, vocab {cfg.model.vocab_size}, norm {cfg.norm.label}, placement {cfg.placement}")
     print(f"model FLOPs/token = 6N + 12·L·d·T = {flops_tok / 1e6:.2f} MFLOP (N = matmul weights incl. head)")
-    print(f"peak matmul (1024² @ 1024², best of 20 in each worker, best over workers): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, "
+    print(f"peak matmul ({args.peak_size}² @ {args.peak_size}², best of 20 in each worker, best over workers): "
+          f"fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, "
           f"bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s")
     print(f"{args.rounds} rounds x {args.windows} windows of {cfg.log_every} steps, medians; "
           f"load average (1 min) {min(loads):.2f}–{max(loads):.2f}, at the end {' '.join(f'{v:.2f}' for v in os.getloadavg())}")

@@ -1,6 +1,6 @@
 """Step time of the training loop with telemetry off, at the default interval, and at every step.
 
-The default model (conf model=small: 4 blocks, width 128, batch 32, seq 128) on the CPU, fp32.
+The default model (conf model=small: 4 blocks, width 128; batch 32, seq 128 unless told) on the CPU, fp32.
 Each variant is a real `normlab.train` run that logs every `interval` steps; a window is the
 `interval` steps between two logged steps, so at the default interval each window holds exactly
 one telemetry step. Windows are timed by wall clock and by this process's CPU time (the latter
@@ -8,7 +8,7 @@ is far less sensitive to other processes when torch runs one thread: `--threads 
 may be shared: the three variants run interleaved, round after round, and every figure is a
 median over all windows of all rounds.
 
-    python scripts/bench_telemetry.py [--rounds 8] [--windows 2] [--threads N]
+    python scripts/bench_telemetry.py [--rounds 8] [--windows 2] [--threads N] [--batch 32] [--seq 128]
 """
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ class WindowClock(bench.WindowClock):
         return out
 
 
-def run_variant(every: int, interval: int, windows: int, workdir: str) -> list[tuple[float, float]]:
+def run_variant(every: int, interval: int, windows: int, workdir: str, batch: int, seq: int) -> list[tuple[float, float]]:
     cfg = RunConfig(
+        batch_size=batch,
+        seq_len=seq,
         max_steps=interval * windows + 1,
         eval_every=0,
         eval_batches=1,
@@ -66,6 +68,8 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=2, help="timed windows of `interval` steps per run")
     parser.add_argument("--every", type=int, default=TelemetryConfig().every, help="the default interval")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--batch", type=int, default=32, help="sequences per step")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,12 +82,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as workdir:
         for r in range(args.rounds):
             for name, every in variants.items():
-                times[name] += run_variant(every, args.every, args.windows, workdir)
+                times[name] += run_variant(every, args.every, args.windows, workdir, args.batch, args.seq)
             so_far = ", ".join(f"{n} {1e3 * medians(n)[0]:.0f}/{1e3 * medians(n)[1]:.0f} ms" for n in variants)
             print(f"round {r + 1}/{args.rounds} (wall/cpu medians so far): {so_far}", file=sys.stderr, flush=True)
     base_wall, base_cpu = medians("off")
     print(
-        f"default model (4 blocks, width 128, batch 32 x seq 128), CPU fp32, torch threads {torch.get_num_threads()}, "
+        f"default model (4 blocks, width 128, batch {args.batch} x seq {args.seq}), CPU fp32, "
+        f"torch threads {torch.get_num_threads()}, "
         f"{args.rounds} rounds x {args.windows} windows of {args.every} steps"
     )
     print(f"{'telemetry':<22}{'wall/step':>12}{'overhead':>10}{'cpu/step':>12}{'overhead':>10}")

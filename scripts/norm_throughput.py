@@ -1,10 +1,10 @@
 """Training throughput of each norm in the default 4-block, 128-wide GPT (fp32, CPU or GPU).
 
-Times forward + backward + AdamW steps on random tokens (batch 32 × 128) after a
+Times forward + backward + AdamW steps on random tokens (batch 32 × 128 unless told) after a
 few warm-up steps, and prints tokens per second per norm. On a shared machine
 run it more than once: the spread between runs is the noise.
 
-    python scripts/norm_throughput.py [--placement pre] [--steps 10] [--qk-norm]
+    python scripts/norm_throughput.py [--placement pre] [--steps 10] [--qk-norm] [--batch 32] [--seq 128]
 """
 
 from __future__ import annotations
@@ -43,10 +43,14 @@ def main() -> None:
     parser.add_argument("--placement", default="pre")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--qk-norm", action="store_true")
+    parser.add_argument("--batch", type=int, default=32, help="sequences per step")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     args = parser.parse_args()
-    print(f"placement={args.placement} qk_norm={args.qk_norm}, batch 32 × 128, fp32, {torch.get_num_threads()} threads")
+    print(f"placement={args.placement} qk_norm={args.qk_norm}, batch {args.batch} × {args.seq}, fp32, "
+          f"{torch.get_num_threads()} threads")
     for name, causal in [(n, False) for n in NORMS] + [("batch", True)]:
-        cfg = RunConfig(norm=NormConfig(name=name, causal=causal), placement=args.placement, qk_norm=args.qk_norm)
+        cfg = RunConfig(norm=NormConfig(name=name, causal=causal), placement=args.placement, qk_norm=args.qk_norm,
+                        batch_size=args.batch, seq_len=args.seq)
         try:
             cfg.validate()
         except ConfigError as err:

@@ -20,8 +20,8 @@ from normlab.checkpoint import (
 )
 from normlab.config import ConfigError, RunConfig
 from normlab.model import GPT
-from normlab.sinks import MetricsFile, RunDir
-from normlab.train import train
+from normlab.sinks import MetricsFile, RunDir, Sink
+from normlab.train import build_state, train
 
 TIMING = ("tokens_per_s", "wall_time_s", "eval_time_s", "resumed_from_step")
 
@@ -46,7 +46,7 @@ def _without(mapping, keys=TIMING):
     return {k: v for k, v in mapping.items() if k not in keys}
 
 
-class SignalAt:
+class SignalAt(Sink):
     """A sink that sends this process a real signal when it sees the record of `step`."""
 
     def __init__(self, step, signum):
@@ -55,9 +55,6 @@ class SignalAt:
     def log(self, record):
         if record["step"] == self.step:
             os.kill(os.getpid(), self.signum)
-
-    def finish(self, summary, exit_code):
-        pass
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
@@ -166,8 +163,21 @@ def test_a_model_of_another_shape_is_named_with_both_shapes(tmp_path):
     wider.model.d_model = 64
     checkpoint = Checkpoint.load(checkpoint_path(tmp_path, 8))
     with pytest.raises(CheckpointError) as err:
-        checkpoint.restore({"model": GPT(wider)})
+        checkpoint.restore(build_state(wider, torch.device("cpu"), "fp32"))
     assert "tok_emb.weight" in str(err.value) and "[256, 32]" in str(err.value) and "[256, 64]" in str(err.value)
+
+
+def test_a_checkpoint_of_the_old_layout_is_refused_in_one_line(tmp_path):
+    cfg = _cfg()
+    old = checkpoint_path(tmp_path, 3)
+    write_atomic(old, {"format": "normlab-checkpoint/1", "step": 3, "components": {"model": GPT(cfg).state_dict()},
+                       "loop": {"tokens": 0}, "rng": {}, "config": {}})
+    cfg.resume = str(old)
+    with pytest.raises(CheckpointError) as err:
+        train(cfg, tmp_path / "new")
+    message = str(err.value)
+    assert message.startswith(str(old)) and "'normlab-checkpoint/1'" in message and "\n" not in message
+    assert not (tmp_path / "new" / "summary.json").exists()
 
 
 def test_rewind_keeps_rows_before_the_step_and_drops_a_torn_line(tmp_path):

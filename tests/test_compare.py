@@ -10,17 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from normlab import cli
-from normlab.compare import (
-    CompareError,
-    build_comparison,
-    compare,
-    find_run_dirs,
-    load_run,
-    lr_sensitivity,
-)
-from normlab.config import format_lr
+from normlab.analysis import build_comparison, find_run_dirs, load_run, lr_sensitivity
+from normlab.compare import compare
+from normlab.config import RunConfig, format_lr
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = ("loss_train.png", "loss_val.png", "final_val_loss_vs_lr.png", "layers_grad_norm.png", "layers_resid_rms.png")
@@ -45,8 +40,13 @@ def write_run(
     max_steps=8,
     telemetry=False,
     extra_config=None,
+    config="json",
 ) -> Path:
-    """A run dir as `normlab train` writes it: metrics.jsonl rows, summary.json, .hydra/config.yaml.
+    """A run dir as `normlab train` writes it: metrics.jsonl rows, summary.json, and its config.
+
+    `config` is "json" (config.json: the whole RunConfig tree, as train() writes it), "hydra" (only
+    Hydra's .hydra/config.yaml with a few keys, as in run dirs of earlier versions) or None (no config).
+    `extra_config` sets further config keys, dotted: {"optim.warmup_steps": 7}.
 
     Losses fall linearly from `init` at step 0 to `final` at max_steps. A diverged run's last row is
     the lead's `"status": "diverged"` row, with a non-finite loss; a failed run stops half-way.
@@ -94,23 +94,27 @@ def write_run(
     if error is not None:
         summary["error"] = error
     (path / "summary.json").write_text(json.dumps(summary, indent=2))
-    (path / ".hydra").mkdir()
-    config_lines = [
-        f"depth: {depth}",
-        "norm:",
-        f"  name: {norm}",
-        "  eps: 1.0e-05",
-        f"placement: {placement}",
-        f"lr: {lr}",
-        f"seed: {seed}",
-        f"max_steps: {max_steps}",
-        "progress: false",
-        "wandb:",
-        "  mode: offline",
-        *(extra_config or []),
-    ]
-    (path / ".hydra" / "config.yaml").write_text("\n".join(config_lines) + "\n")
+    settings = {
+        "depth": depth, "norm.name": norm, "norm.eps": 1e-5, "placement": placement, "lr": lr, "seed": seed,
+        "max_steps": max_steps, "progress": False, "wandb.mode": "offline", **(extra_config or {}),
+    }  # fmt: skip
+    if config == "json":
+        (path / "config.json").write_text(json.dumps(with_dotted(RunConfig().to_dict(), settings), indent=2))
+    elif config == "hydra":
+        (path / ".hydra").mkdir()
+        (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(with_dotted({}, settings)))
     return path
+
+
+def with_dotted(tree: dict, settings: dict) -> dict:
+    """`tree` with each dotted key of `settings` set, nested dicts made as needed."""
+    for key, value in settings.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
 
 
 def table(report: str, heading: str) -> list[dict[str, str]]:
@@ -239,14 +243,68 @@ def test_config_keys_that_differ_split_arms_but_lr_and_seed_do_not(tmp_path):
     for depth in (4, 12):
         for lr in (1e-3, 1e-2):
             for seed in (0, 1):
-                write_run(root / "s1" / f"d{depth}-{lr}-{seed}", depth=depth, lr=lr, seed=seed, extra_config=["log_every: 1"])
+                write_run(root / "s1" / f"d{depth}-{lr}-{seed}", depth=depth, lr=lr, seed=seed, extra_config={"log_every": 1})
     # log_every differs too, but changes no number: it must not split arms
-    write_run(root / "s2" / "x", depth=4, lr=1e-1, extra_config=["log_every: 5"])
+    write_run(root / "s2" / "x", depth=4, lr=1e-1, extra_config={"log_every": 5})
     comparison = build_comparison(find_run_dirs([tmp_path / "outputs"]))
     labels = [a.arm.label for a in comparison.arms]
     assert labels == ["rms-pre depth=4", "rms-pre depth=12"]  # numbers sort as numbers
     assert [len(a.runs) for a in comparison.arms] == [5, 4]
     assert [p.lr for p in comparison.arms[0].points] == [1e-3, 1e-2, 1e-1]
+
+
+@pytest.mark.parametrize("config", ["json", "hydra"])
+def test_runs_that_differ_only_in_bookkeeping_are_one_arm(tmp_path, config):
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "a", lr=1e-3, config=config, extra_config={"ckpt.every": 100, "resume": "auto"})
+    write_run(sweep / "b", lr=1e-2, config=config, extra_config={"ckpt.every": 5, "ckpt.keep": 3, "resume": None, "tf32": False})
+    # resumed from a checkpoint: resume=PATH is written into its config
+    write_run(sweep / "c", lr=1e-1, config=config, extra_config={"resume": "/scratch/run/checkpoints/step-000120.pt"})
+    [arm] = build_comparison(find_run_dirs([sweep])).arms
+    assert arm.arm.label == "rms-pre" and len(arm.runs) == 3
+    # a key that changes the result still splits the arm
+    write_run(tmp_path / "other" / "d", lr=1e-3, config=config, extra_config={"resume": "auto", "optim.warmup_steps": 7})
+    write_run(tmp_path / "other" / "e", lr=1e-3, config=config, extra_config={"resume": "/x/step-4.pt", "optim.warmup_steps": 50})
+    labels = [a.arm.label for a in build_comparison(find_run_dirs([tmp_path / "other"])).arms]
+    assert labels == ["rms-pre optim.warmup_steps=7", "rms-pre optim.warmup_steps=50"]
+
+
+def test_config_json_is_read_and_hydras_config_only_without_it(tmp_path):
+    new = write_run(tmp_path / "new", extra_config={"init": "xavier", "optim.warmup_steps": 7})
+    (new / ".hydra").mkdir()  # a stale Hydra config beside normlab's own: not read
+    (new / ".hydra" / "config.yaml").write_text("init: normal\noptim:\n  warmup_steps: 50\n")
+    run = load_run(new)
+    assert (run.settings["init"], run.settings["optim.warmup_steps"]) == ("xavier", 7)
+    assert run.settings["model.d_model"] == RunConfig().model.d_model  # the whole RunConfig tree
+    assert run.settings["optim.betas"] == tuple(RunConfig().optim.betas)
+    # an old run dir (Hydra's config only) and a new one with the same settings are one arm
+    old = write_run(tmp_path / "sweep" / "old", lr=3e-3, config="hydra", extra_config={"init": "xavier"})
+    assert load_run(old).settings["init"] == "xavier"
+    write_run(tmp_path / "sweep" / "new", lr=1e-3, extra_config={"init": "xavier"})
+    write_run(tmp_path / "sweep" / "normal", lr=1e-3, extra_config={"init": "normal"})
+    comparison = build_comparison(find_run_dirs([tmp_path / "sweep"]))
+    assert [(a.arm.label, len(a.runs)) for a in comparison.arms] == [("rms-pre init=normal", 1), ("rms-pre init=xavier", 2)]
+
+
+def test_runs_trained_from_python_are_compared_by_their_config_json(tmp_path):
+    from conftest import tiny_config
+    from normlab.train import train
+
+    summaries = {}
+    for lr, every in ((1e-3, 2), (3e-3, 4)):  # ckpt.every differs too: bookkeeping, one arm
+        cfg = tiny_config("rms", "post", lr=lr, init="xavier")
+        cfg.wandb.mode = "disabled"
+        cfg.ckpt.every = every
+        run_dir = tmp_path / "sweep" / format_lr(lr)
+        summaries[lr] = train(cfg, run_dir)
+        # What train() writes into the run dir (no Hydra dir: it was not run by `normlab train`).
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
+    [arm] = build_comparison(find_run_dirs([tmp_path / "sweep"])).arms
+    assert arm.arm.label == "rms-post" and [p.lr for p in arm.points] == [1e-3, 3e-3]
+    for point in arm.points:
+        [run] = point.runs
+        assert (run.settings["init"], run.settings["model.d_model"]) == ("xavier", 32)
+        assert run.final_val_loss == summaries[point.lr]["final_val_loss"]
 
 
 def test_runs_are_found_recursively_but_not_inside_wandb_or_hidden_dirs(tmp_path):
@@ -262,9 +320,8 @@ def test_runs_are_found_recursively_but_not_inside_wandb_or_hidden_dirs(tmp_path
     assert sorted(p.name for p in found) == ["0_a", "1_b", "r1"]
 
 
-def test_run_without_hydra_config_falls_back_to_its_summary(tmp_path):
-    run_dir = write_run(tmp_path / "r", norm="layer", placement="post", lr=3e-3, seed=4, depth=6)
-    (run_dir / ".hydra" / "config.yaml").unlink()
+def test_run_without_a_config_falls_back_to_its_summary(tmp_path):
+    run_dir = write_run(tmp_path / "r", norm="layer", placement="post", lr=3e-3, seed=4, depth=6, config=None)
     run = load_run(run_dir)
     assert (run.norm, run.placement, run.depth, run.lr, run.seed) == ("layer", "post", 6, 3e-3, 4)
     other = write_run(tmp_path / "q", norm="layer", placement="post", lr=1e-3, seed=4, depth=6)
@@ -365,7 +422,7 @@ def test_bad_paths_give_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args,
 def test_normlab_help_and_compare_do_not_import_torch_or_wandb():
     code = (
         "import sys, normlab.cli; normlab.cli.main(['--help']); heavy = {'torch', 'wandb', 'matplotlib'} & set(sys.modules); "
-        "import normlab.compare, normlab.report, normlab.plots; "
+        "import normlab.analysis, normlab.compare, normlab.report, normlab.plots; "
         "print(sorted(heavy), sorted({'torch', 'wandb'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

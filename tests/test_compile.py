@@ -51,7 +51,7 @@ def test_compiled_training_matches_eager_keeps_telemetry_and_saves_a_bare_model(
     assert with_telemetry == [0, 3, 4]
 
     # The checkpoint holds the bare model: no `_orig_mod.` keys, and it loads into an uncompiled GPT.
-    state = Checkpoint.load(checkpoint_path(run_dir, 5)).payload["components"]["model"]
+    state = Checkpoint.load(checkpoint_path(run_dir, 5)).payload["state"]["model"]
     assert not [k for k in state if "_orig_mod" in k]
     eager = GPT(cfg)
     eager.load_state_dict(state)

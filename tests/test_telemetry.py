@@ -12,7 +12,8 @@ from normlab.config import ConfigError, DataConfig, RunConfig, TelemetryConfig
 from normlab.data import load_corpus, sample_batch
 from normlab.model import GPT
 from normlab.sinks import MetricsFile, RunDir
-from normlab.telemetry import ATTN_PROBE_SEQS, Probe, attention_stats, layer_label
+from normlab.keys import layer_label
+from normlab.telemetry import ATTN_PROBE_SEQS, Probe, attention_stats
 from normlab.train import loss_fn, lr_at, param_groups, seed_everything, train
 
 TELEMETRY_FAMILIES = ("act/", "grad/resid_rms/", "grad/norm/", "grad/embed", "grad/norm_f", "update_ratio/", "norm/", "attn/")
@@ -220,7 +221,7 @@ def test_norm_parameter_statistics_are_generic():
         model(torch.randint(0, 256, (2, 16))).sum().backward()
     probe.measure_gradients(torch.amp.GradScaler("cpu", enabled=False))
     probe.before_update()
-    stats = probe.collect(0)
+    stats = probe.collect()
     w = block.norm1.weight.detach()
     assert stats["norm/gain_mean/L01/norm1"] == pytest.approx(w.mean().item(), rel=1e-6)
     assert stats["norm/gain_std/L01/norm1"] == pytest.approx(w.std(correction=0).item(), rel=1e-6)
@@ -274,9 +275,9 @@ def test_hooks_live_only_inside_watch():
     # A forward and backward outside watch() adds nothing: collect() sees only the watched pass.
     model(torch.randint(0, 256, (2, 16))).sum().backward()
     probe.measure_gradients(torch.amp.GradScaler("cpu", enabled=False))
-    stats = probe.collect(0)
+    stats = probe.collect()
     assert "act/resid_rms/L00" in stats
-    assert probe.collect(1) == {}
+    assert probe.collect() == {}
 
 
 def test_fp16_stream_gradients_are_unscaled(tmp_path, text_data):
@@ -399,3 +400,13 @@ def test_a_resumed_run_keeps_the_telemetry_history(tmp_path, text_data):
     resumed = (tmp_path / "cut" / "telemetry" / "layers.csv").read_text().splitlines()
     assert [line.split(",")[:2] for line in resumed] == [line.split(",")[:2] for line in whole]
     assert {line.split(",")[0] for line in whole[1:]} == {"0", "2", "4", "5"}
+
+
+def test_importing_the_probe_and_the_loop_does_not_import_matplotlib():
+    """The probe measures and draws nothing; the heatmaps are rendered from the records at the end of a run."""
+    import subprocess
+    import sys
+
+    code = "import sys, normlab.telemetry, normlab.callbacks, normlab.train; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

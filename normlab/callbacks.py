@@ -1,0 +1,276 @@
+"""Callbacks: everything the training loop does beside training, each a class with named hooks.
+
+The loop calls the hooks in the order of a step (see normlab.train):
+
+    on_train_start(state)                 before the first step (after a resume's restore)
+    on_step_start(state)                  the step begins: `state.step` is its number
+    after_backward(state)                 gradients accumulated and un-scaled, before clipping
+    before_optimizer_step(state)          gradients clipped, weights not yet changed
+    after_optimizer_step(state, record)   update taken (`state.step` is now s + 1): measure, add to the
+                                          record (None on a step that is not logged); raise Diverged to stop
+    on_step_end(state, record)            the record, as the sinks got it (None if not logged)
+    on_train_end(state, summary)          the run completed or diverged: add to the summary, write products
+
+Every hook does nothing unless a callback overrides it. A callback's `state_dict()` goes into every
+checkpoint under its `name`, so a resumed run's callbacks continue as they were. A new monitor is
+one class here (or anywhere), passed to train(); the loop does not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from typing import Any, Sequence
+
+import torch
+
+from . import distributed, keys
+from .checkpoint import Checkpointer
+from .preempt import Preempted, requested
+from .sinks import Sink
+from .state import TrainState
+from .telemetry import Probe
+
+# Under DDP, asking every rank whether any was signalled is a collective (a host sync): ask every
+# this many steps, at checkpoint steps and at the last step. A preempted DDP run so stops up to this
+# many steps after the signal: keep the scheduler's warning time above that many step times.
+PREEMPT_CHECK_EVERY = 10
+
+
+class Diverged(Exception):
+    """Raised by a callback (or the loop) to end the run as diverged at `step`."""
+
+    def __init__(self, step: int):
+        super().__init__(f"diverged at step {step}")
+        self.step = step
+
+
+class Callback:
+    """A part of the loop with named hooks, all no-ops here, and its own checkpointed state."""
+
+    name = "callback"  # the key of its state in a checkpoint; unique within a run
+
+    def on_train_start(self, state: TrainState) -> None: ...
+
+    def on_step_start(self, state: TrainState) -> None: ...
+
+    def after_backward(self, state: TrainState) -> None: ...
+
+    def before_optimizer_step(self, state: TrainState) -> None: ...
+
+    def after_optimizer_step(self, state: TrainState, record: dict[str, Any] | None) -> None: ...
+
+    def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None: ...
+
+    def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class DivergenceGuard(Callback):
+    """Remembers, on the device, the first step whose training loss is non-finite or above
+    `factor` × the initial loss (factor 0: only non-finite counts). The host reads it on logged steps only."""
+
+    name = "divergence_guard"
+
+    def __init__(self, factor: float, device: torch.device):
+        self.factor = factor
+        self.limit: torch.Tensor | None = None
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
+
+    def observe(self, step: int, loss: torch.Tensor) -> None:
+        if self.limit is None:
+            self.limit = loss * self.factor if self.factor > 0 else torch.full_like(loss, math.inf)
+        bad = ~torch.isfinite(loss) | (loss > self.limit)
+        self.first_bad = torch.where(bad & (self.first_bad < 0), step, self.first_bad)
+
+    def diverged_at(self) -> int | None:
+        step = int(self.first_bad.item())
+        return None if step < 0 else step
+
+    def after_backward(self, state: TrainState) -> None:
+        self.observe(state.step, state.loss)
+
+    def after_optimizer_step(self, state: TrainState, record: dict[str, Any] | None) -> None:
+        if record is not None and (step := self.diverged_at()) is not None:
+            raise Diverged(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"factor": self.factor, "limit": self.limit, "first_bad": self.first_bad}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        device = self.first_bad.device
+        self.limit = None if state["limit"] is None else state["limit"].to(device)
+        self.first_bad = state["first_bad"].to(device)
+
+
+class Telemetry(Callback):
+    """Runs the Probe on its steps: hooks around forward and backward, gradient and weight statistics,
+    and the step's statistics added to its record (one host transfer). Telemetry steps are watched:
+    they run the eager model (hooks attach to eager modules) and are always logged."""
+
+    name = "telemetry"
+
+    def __init__(self, probe: Probe):
+        self.probe = probe
+        self._watching: contextlib.ExitStack | None = None
+        self._active = False
+
+    def on_step_start(self, state: TrainState) -> None:
+        self._active = self.probe.active(state.step)
+        if self._active:
+            state.watched = True
+            self._watching = contextlib.ExitStack()
+            self._watching.enter_context(self.probe.watch())
+
+    def after_backward(self, state: TrainState) -> None:
+        if self._watching is not None:
+            self._watching.close()  # the hooks live for the forward and backward passes only
+            self._watching = None
+        if self._active:
+            self.probe.measure_gradients(state.scaler)  # the accumulated, un-scaled gradient, before clipping
+
+    def before_optimizer_step(self, state: TrainState) -> None:
+        if self._active:
+            self.probe.before_update()
+
+    def after_optimizer_step(self, state: TrainState, record: dict[str, Any] | None) -> None:
+        if self._active:
+            stats = self.probe.collect()  # telemetry's one host transfer
+            if record is not None:
+                record.update(stats)
+
+
+class ThroughputClock(Callback):
+    """Times the training steps (batch fetch to the step's figures, evaluation excluded): the record's
+    tokens_per_s over the steps since the last logged one, the summary's tokens_per_s over the run, and
+    under compile=true the first compiled step's time (compile_time_s)."""
+
+    name = "throughput"
+
+    def __init__(self, tokens_per_step: int, compiled: bool):
+        self.tokens_per_step, self.compiled = tokens_per_step, compiled
+        self.train_time, self.window_tokens, self.window_time = 0.0, 0, 0.0
+        self.compile_time: float | None = None
+        self._t0 = 0.0
+
+    def on_step_start(self, state: TrainState) -> None:
+        self._t0 = time.perf_counter()
+
+    def after_optimizer_step(self, state: TrainState, record: dict[str, Any] | None) -> None:
+        elapsed = time.perf_counter() - self._t0
+        if self.compiled and self.compile_time is None and not state.watched:
+            self.compile_time = elapsed
+        self.train_time += elapsed
+        self.window_time += elapsed
+        self.window_tokens += self.tokens_per_step
+        if record is not None:
+            record["tokens_per_s"] = self.window_tokens / self.window_time
+            self.window_tokens, self.window_time = 0, 0.0
+
+    def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
+        summary["tokens_per_s"] = state.tokens / self.train_time if self.train_time > 0 else 0.0
+        if self.compile_time is not None:
+            summary["compile_time_s"] = round(self.compile_time, 3)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train_time": self.train_time, "window_tokens": self.window_tokens, "window_time": self.window_time}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train_time, self.window_tokens, self.window_time = state["train_time"], state["window_tokens"], state["window_time"]
+
+
+class TelemetryProducts(Callback):
+    """Keeps the per-layer part of every record and, when the run completes, hands the sinks the
+    per-layer table ('telemetry/layers') and layer × step heatmaps ('telemetry/resid_rms',
+    'telemetry/grad_norm'), made from those records as compare makes its plots."""
+
+    name = "telemetry_products"
+    HEATMAPS = {keys.RESID_RMS: "telemetry/resid_rms", keys.GRAD_NORM: "telemetry/grad_norm"}
+
+    def __init__(self, sinks: Sequence[Sink]):
+        self.sinks = sinks
+        self.records: list[dict[str, Any]] = []
+
+    def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None:
+        per_layer = {k: v for k, v in (record or {}).items() if keys.parse(k) is not None}
+        if per_layer:
+            self.records.append({"step": record["step"], **per_layer})
+
+    def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
+        if summary.get("status") != "completed" or not self.records or not self.sinks:
+            return
+        from .plots import layer_heatmap
+
+        columns, rows = keys.layer_table(self.records)
+        titles = {stat: title for stat, _, title in keys.LAYER_PROFILES}
+        images = {name: layer_heatmap(self.records, stat, titles[stat]) for stat, name in self.HEATMAPS.items()}
+        for sink in self.sinks:
+            sink.log_table("telemetry/layers", columns, rows)
+            for name, png in images.items():
+                sink.log_image(name, png)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"records": [dict(record) for record in self.records]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.records = [dict(record) for record in state["records"]]
+
+
+class ProgressBar(Callback):
+    """A tqdm bar over the steps, with the last logged loss, lr and throughput."""
+
+    name = "progress"
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc = total, desc
+        self.bar = None
+
+    def on_train_start(self, state: TrainState) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=self.total, initial=state.step, desc=self.desc, unit="step", dynamic_ncols=True)
+
+    def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None:
+        if record is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        self.bar.update(1)
+
+    def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
+        self.bar.close()
+
+
+class Checkpointing(Callback):
+    """Saves the train state and every callback's state at step boundaries (every ckpt.every steps and
+    at the end of a completed run), and stops the run with Preempted, after a checkpoint, once a
+    preemption signal has arrived (preempt.py). Under DDP all ranks agree on stopping at the same step."""
+
+    name = "checkpointing"
+
+    def __init__(self, checkpointer: Checkpointer, callbacks: Sequence[Callback], max_steps: int):
+        self.checkpointer, self.callbacks, self.max_steps = checkpointer, callbacks, max_steps
+
+    def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None:
+        # A step boundary: state.step updates are done and every record before it is emitted.
+        due = self.checkpointer.due(state.step)
+        stop = requested() is not None
+        if distributed.is_active():
+            # A collective: all ranks ask at the same steps, so all stop at the same step.
+            asks = due or state.step % PREEMPT_CHECK_EVERY == 0 or state.step == self.max_steps
+            stop = asks and distributed.any_rank(stop)
+        if stop or due:
+            self.checkpointer.save(state, self.callbacks)
+        if stop:
+            distributed.barrier()  # no rank exits before rank 0's checkpoint is on disk
+            raise Preempted(requested() or signal.SIGTERM, state.step)
+
+    def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
+        if summary.get("status") == "completed":
+            self.checkpointer.save(state, self.callbacks)

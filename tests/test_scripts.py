@@ -1,0 +1,133 @@
+"""Smoke tests of scripts/: each benchmark or measurement script runs one tiny round as a real command.
+
+The scripts rebuild parts of the training loop (bench.py's window clock and reference loop, the
+checkpoint components, the sweep's summaries), so a change to normlab that breaks them should fail
+here. Each test asserts the script's table holds computed figures, not only that it exited 0.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from normlab.config import NORMS
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+# The smallest config the scripts' Hydra overrides can ask for: a 2-block, 32-wide model, 4 × 16 tokens.
+TINY = ["model=tiny", "batch_size=4", "seq_len=16", "eval_batches=1"]
+NUMBER = r"([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
+
+
+def script(name: str, *args: str, cwd: Path) -> str:
+    """Run scripts/`name` with `args` in `cwd`; assert it exits 0 and return its stdout."""
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+        timeout=600,
+    )
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def row(out: str, label: str, columns: int) -> list[float]:
+    """The first `columns` numbers of the table row that starts with `label` (then two or more spaces)."""
+    line = next((l for l in out.splitlines() if re.match(rf"\s*{re.escape(label)}\s{{2,}}", l)), None)
+    assert line is not None, f"no row {label!r} in:\n{out}"
+    numbers = [float(n) for n in re.findall(NUMBER, line[line.index(label) + len(label):])]
+    assert len(numbers) >= columns, line
+    return numbers[:columns]
+
+
+def test_bench_compares_normlab_with_the_reference_loop(tmp_path):
+    out = script("bench.py", *TINY, "log_every=2", "--rounds", "1", "--windows", "1", "--threads", "1",
+                 "--peak-size", "64", "--only", "ref fp32,normlab fp32", cwd=tmp_path)
+    assert "model: 2 blocks, width 32, 2 heads, seq 16, batch 4" in out  # the overrides reached the config
+    assert "peak matmul (64² @ 64²" in out
+    ref_ms, ref_tokens = row(out, "ref fp32", 2)
+    ms, tokens, _, _, _, vs_ref = row(out, "normlab fp32", 6)
+    assert ref_ms > 0 and ms > 0
+    assert tokens == pytest.approx(4 * 16 / (ms / 1e3), rel=0.01)  # tokens/s is the step time's inverse
+    assert vs_ref == pytest.approx(ref_ms / ms, rel=0.05)
+    (save_us,) = row(out, "checkpoint save / ckpt.every=100", 1)
+    assert save_us > 0
+
+
+def test_bench_inprocess_times_the_three_loops(tmp_path):
+    out = script("bench_inprocess.py", *TINY, "log_every=2", "--rounds", "1", "--windows", "1", cwd=tmp_path)
+    assert "1 rounds x 1 windows" in out
+    assert row(out, "ref", 2)[1] == 1.0  # ref / ref
+    for loop in ("ref loop, normlab GPT", "normlab"):
+        ms, ratio = row(out, loop, 2)
+        assert ms > 0 and ratio > 0
+
+
+def test_bench_telemetry_times_the_three_intervals(tmp_path):
+    out = script("bench_telemetry.py", "--rounds", "1", "--windows", "1", "--every", "2", "--threads", "1",
+                 "--batch", "2", "--seq", "16", cwd=tmp_path)
+    assert "batch 2 x seq 16" in out and "1 rounds x 1 windows of 2 steps" in out
+    assert re.search(r"telemetry\s+wall/step\s+overhead\s+cpu/step\s+overhead", out)
+    assert row(out, "off", 4)[1] == 0.0  # the baseline's overhead over itself
+    for variant in ("every 2 (default)", "every step"):
+        wall, _, cpu, _ = row(out, variant, 4)
+        assert wall > 0 and cpu > 0
+
+
+def test_checkpoint_cost_saves_and_restores_the_tiny_model(tmp_path):
+    out = script("checkpoint_cost.py", "tiny", "2", cwd=tmp_path)
+    assert "model=tiny depth=2 d_model=32" in out
+    size = float(re.search(rf"checkpoint size: {NUMBER} MiB", out).group(1))
+    save = float(re.search(rf"save \(write, fsync, rename\): median {NUMBER} ms over 2", out).group(1))
+    load = float(re.search(rf"load \+ restore: median {NUMBER} ms over 2", out).group(1))
+    assert size > 0 and save > 0 and load > 0
+
+
+def test_future_leak_finds_batchnorm_the_only_leak(tmp_path):
+    out = script("future_leak.py", "--batch", "2", "--seq", "16", "--t", "7", cwd=tmp_path)
+    assert "batch 2 × 16, tokens after t=7 changed" in out
+    train_leak, eval_leak, scale = row(out, "batch", 3)
+    assert train_leak > 0 and eval_leak == 0 and scale > 0  # batch statistics mix positions in training mode
+    for label in [n for n in NORMS if n != "batch"] + ["batch_causal"]:
+        assert row(out, label, 2) == [0.0, 0.0], label
+
+
+def test_norm_throughput_times_every_norm(tmp_path):
+    out = script("norm_throughput.py", "--steps", "1", "--batch", "2", "--seq", "16", cwd=tmp_path)
+    assert "batch 2 × 16" in out
+    for label in [*NORMS, "batch_causal"]:
+        (tokens_per_s,) = row(out, label, 1)
+        assert tokens_per_s > 0
+
+
+def test_startup_times_help_and_a_sweep(tmp_path):
+    out = script("startup.py", "--jobs", "2", "--steps", "2", "--repeats", "1", *TINY[1:],
+                 "wandb.mode=disabled", "telemetry.every=0", cwd=tmp_path)
+    for command in ("normlab --help", "normlab train --help"):
+        assert float(re.search(rf"{command}\s+{NUMBER} s", out).group(1)) > 0
+    sweep = re.search(rf"sweep of 2 jobs: {NUMBER} s wall, {NUMBER} s of training", out)
+    assert sweep and float(sweep.group(1)) > float(sweep.group(2)) > 0
+    assert "overhead per job:" in out and "marginal cost of one more job:" in out
+
+
+def test_plot_xiong2020_reads_a_real_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    train = subprocess.run(
+        [sys.executable, "-m", "normlab", "train", "-m", *TINY, "max_steps=2", "placement=pre,post",
+         "wandb.mode=disabled", "progress=false", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    out = script("plot_xiong2020.py", "--init", str(sweep), "--runs", str(sweep), "--out", str(tmp_path / "report"),
+                 cwd=tmp_path)
+    for name in ("Pre-LN", "Post-LN"):  # step 0's FFN gradient of both blocks, from the telemetry
+        grads = re.search(rf"{name} \(1 seeds\): L1:{NUMBER}\s+L2:{NUMBER}", out)
+        assert grads and float(grads.group(1)) > 0 and float(grads.group(2)) > 0
+    assert "last layer, Post-LN / Pre-LN:" in out
+    assert len(re.findall(r"^\s+(pre|post)\s+\S+\s+\d+\s+completed\s+\d", out, re.M)) == 2
+    for png in ("xiong2020_grad_init.png", "xiong2020_warmup.png"):
+        assert (tmp_path / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

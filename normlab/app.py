@@ -25,7 +25,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from .config import NORMS, PLACEMENTS, ConfigError, format_lr
+from .config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, check_norm_knob, format_lr
 
 log = logging.getLogger("normlab")
 
@@ -169,6 +169,7 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
     So a combination that makes no sense (placement=deepnorm with norm=none, ...)
     stops the command before any job runs, instead of aborting a sweep halfway.
     A multirun's jobs include the sweeps a preset puts in hydra.sweeper.params.
+    A `norm.KNOB=...` override must name a knob that each job's norm reads.
     Raises ConfigError naming the first bad job. A config Hydra itself cannot
     compose is left for Hydra to report when it runs.
     """
@@ -188,15 +189,20 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
         hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
         jobs = [list(overrides)]
         if multirun:
-            sweep_cfg = hydra.compose_config("config", overrides, run_mode=RunMode.MULTIRUN, from_shell=True)
+            forced = _norm_knob_overrides(list(overrides))[1]
+            sweep_cfg = hydra.compose_config("config", forced, run_mode=RunMode.MULTIRUN, from_shell=True)
             params = [f"{k}={v}" for k, v in (sweep_cfg.hydra.sweeper.get("params") or {}).items()]
             jobs = sweep_jobs(params + list(overrides))
         for job in jobs:
-            cfg = hydra.compose_config("config", job, run_mode=RunMode.RUN, from_shell=True)
+            knobs, job_forced = _norm_knob_overrides(job)
+            cfg = hydra.compose_config("config", job_forced, run_mode=RunMode.RUN, from_shell=True)
             with open_dict(cfg):
                 del cfg["hydra"]
             raw = OmegaConf.to_container(cfg, resolve=True)
             try:
+                if raw.get("norm", {}).get("name") in NORM_TRAITS:
+                    for knob, value in knobs:
+                        check_norm_knob(raw["norm"]["name"], knob, value)
                 RunConfig.from_dict(raw)
             except ConfigError as err:
                 raise ConfigError(f"{err} (in the sweep's job {' '.join(job)})" if multirun else str(err)) from None
@@ -206,6 +212,25 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
         return  # Hydra reports what it cannot compose in its own words when it runs
     finally:
         GlobalHydra.instance().clear()
+
+
+def _norm_knob_overrides(job: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """The `norm.KNOB=VALUE` overrides of `job` as (knob, value), and `job` with them forced (`++`).
+
+    Forced, they compose even where the chosen norm's file lacks the knob (Hydra would stop with its
+    own multi-line error), so `check_jobs` can say in one line which knobs that norm has.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    knobs, forced = [], []
+    for text, override in zip(job, OverridesParser.create().parse_overrides(job)):
+        key = override.key_or_group
+        if key.startswith("norm.") and key != "norm.name" and not override.is_delete() and override.package is None:
+            value = text.split("=", 1)[1]  # as typed: norm.weight=false, not False
+            knobs.append((key[len("norm.") :], value))
+            text = f"++{key}={value}"
+        forced.append(text)
+    return knobs, forced
 
 
 def run_train(argv: list[str]) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from . import machine, overrides
 from .config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, check_norm_knob, format_lr
 
 log = logging.getLogger("normlab")
@@ -246,8 +247,13 @@ def run_train(argv: list[str]) -> int:
 
     config_dirs = [args.config_dir] if args.config_dir else []
     try:
-        argv = [*argv, *precheck(args.overrides, config_dirs, multirun=args.multirun)]
+        overrides.check_command_line(args.overrides, config_dirs, args.multirun, CONFIG_MODULE)
+        extra = precheck(args.overrides, config_dirs, multirun=args.multirun)
+        argv = [*argv, *extra]
+        jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
+        composed = overrides.check_composition([[*job, *extra] for job in jobs], config_dirs, CONFIG_MODULE)
         check_jobs(args.overrides, config_dirs, args.multirun)
+        machine.check_machine(composed, args.multirun, local=not _on_cluster(args.overrides))
     except ConfigError as err:
         return _fail(err)
     except Exception as err:  # Hydra's override grammar: one line is enough
@@ -270,6 +276,11 @@ def run_train(argv: list[str]) -> int:
     finally:
         distributed.shutdown()
     return 0
+
+
+def _on_cluster(overrides: list[str]) -> bool:
+    """Whether the jobs run elsewhere, through a SLURM launcher: this machine's device and memory are not theirs."""
+    return any(o.startswith("hydra/launcher=") and "slurm" in o for o in overrides)
 
 
 def _slurm_preflight(overrides: list[str], config_dirs: list[str]) -> str | None:

@@ -235,7 +235,7 @@ def test_a_killed_run_is_listed_but_left_out_of_the_sensitivity(tmp_path):
     report = (compare([str(sweep)]) / "report.md").read_text()
     assert {r["run"]: r["status"] for r in table(report, "Runs")}["c"] == "running"
     assert "c has status 'running' (killed or still running): left out of the LR sensitivity" in report
-    assert "c: 1 line(s) of metrics.jsonl were not JSON and were ignored" in report
+    assert "c: 1 line(s) of metrics.jsonl were not readable rows (torn, not UTF-8 JSON, or of the wrong types) and were ignored" in report
 
 
 def test_config_keys_that_differ_split_arms_but_lr_and_seed_do_not(tmp_path):
@@ -401,7 +401,7 @@ def run_compare_cli(args: list[str]) -> int:
     "args, message",
     [
         (["nowhere"], "normlab: error: nowhere: no such file or directory"),
-        (["empty"], "normlab: error: no runs under empty: a run dir holds summary.json"),
+        (["empty"], "normlab: error: no runs under empty: a run dir holds summary.json, metrics.jsonl or config.json"),
         (["notes.txt"], "normlab: error: notes.txt: not a directory: give a run dir, a sweep dir or the outputs/ root"),
         (["broken"], "normlab: error: no readable runs: {tmp}/broken/summary.json: unreadable ("),
         ([], "normlab: error: compare: the following arguments are required: PATH"),

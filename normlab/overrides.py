@@ -89,11 +89,16 @@ def check_command_line(overrides: list[str], config_dirs: list[str], multirun: b
                 )
             if key in PLUGIN_GROUPS:
                 _check_plugin(key, _value_text(override), loader.get_group_options(key))
-            elif not (override.is_delete() or override.package is not None or key in groups or key.startswith("hydra.")):
+            elif not (override.is_delete() or override.package is not None or key in groups or _hydra_own(key)):
                 if key not in schema_keys():
                     raise ConfigError(unknown_key_message(key, _value_text(override), extra_keys=tuple(sorted(groups))))
     finally:
         GlobalHydra.instance().clear()
+
+
+def _hydra_own(key: str) -> bool:
+    """A key or group of Hydra's own (hydra.run.dir, hydra/job_logging) or a nested group path: not the schema's."""
+    return key.startswith("hydra.") or "/" in key
 
 
 def _check_plugin(group: str, option: str, known: list[str]) -> None:

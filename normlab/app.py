@@ -238,7 +238,9 @@ def run_train(argv: list[str]) -> int:
     """`normlab train ARGS`: run Hydra with ARGS; returns the process exit code."""
     from hydra._internal.utils import get_args_parser
 
-    args = get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+    parser.error = _refuse_arguments
+    args = parser.parse_args(argv)
     if args.help or args.hydra_help:
         # Help needs Hydra alone: importing torch (through distributed) would cost seconds.
         sys.argv = ["normlab train", *argv]
@@ -247,11 +249,11 @@ def run_train(argv: list[str]) -> int:
 
     config_dirs = [args.config_dir] if args.config_dir else []
     try:
-        overrides.check_command_line(args.overrides, config_dirs, args.multirun, CONFIG_MODULE)
+        overrides.check_command_line(args.overrides, config_dirs, args.multirun, CONFIG_MODULE, args.config_name)
         extra = precheck(args.overrides, config_dirs, multirun=args.multirun)
         argv = [*argv, *extra]
         jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
-        composed = overrides.check_composition([[*job, *extra] for job in jobs], config_dirs, CONFIG_MODULE)
+        composed = overrides.check_composition([[*job, *extra] for job in jobs], config_dirs, CONFIG_MODULE, args.config_name)
         check_jobs(args.overrides, config_dirs, args.multirun)
         machine.check_machine(composed, args.multirun, local=not _on_cluster(args.overrides))
     except ConfigError as err:
@@ -276,6 +278,16 @@ def run_train(argv: list[str]) -> int:
     finally:
         distributed.shutdown()
     return 0
+
+
+def _refuse_arguments(message: str) -> None:
+    """Hydra's argument parser refuses the command line: one line instead of its usage text."""
+    stray = message.partition("unrecognized arguments:")[2].split()
+    if stray and all("=" in arg for arg in stray):  # overrides after an option: argparse takes overrides only once
+        hint = ": put -m and other options before the overrides (normlab train -m lr=1e-3,3e-3 norm=rms)"
+    else:
+        hint = ": `normlab train --help` lists the options"
+    sys.exit(_fail(f"train: {message}{hint}"))
 
 
 def _on_cluster(overrides: list[str]) -> bool:

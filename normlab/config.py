@@ -508,6 +508,8 @@ def check_known_keys(raw: Mapping[str, Any], cls: type | None = None, prefix: st
     cls = cls or RunConfig
     hints = get_type_hints(cls)
     for key, value in raw.items():
+        if key == "hydra" and not prefix:
+            continue  # Hydra's own node, where a caller has left it in
         if key not in hints:
             raise ConfigError(unknown_key_message(prefix + str(key), value))
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, Mapping):

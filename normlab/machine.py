@@ -125,7 +125,8 @@ def check_output_dir(path: str, key: str) -> None:
 def check_machine(composed: list, multirun: bool, local: bool) -> None:
     """Check the composed jobs (Hydra configs, hydra node included) against this machine: the run dir
     (the sweep dir in a multirun) can be made; and when the jobs run here (`local`, not on a cluster
-    through a launcher), the device exists and each run's memory estimate fits."""
+    through a launcher), the device exists (a sweep's job on a missing device fails alone, when it runs)
+    and each run's memory estimate fits."""
     from omegaconf import OmegaConf, open_dict
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
@@ -144,5 +145,13 @@ def check_machine(composed: list, multirun: bool, local: bool) -> None:
             del cfg["hydra"]
         cfgs.append(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True), validate=False))
     for device in sorted({cfg.device for cfg in cfgs}):
+        if multirun and device == "cuda" and not _has_cuda():
+            continue  # in a sweep, that job fails alone and the sweep goes on, as any failing job does
         resolved = check_device(device)
         check_memory([cfg for cfg in cfgs if cfg.device == device], resolved)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -68,9 +68,12 @@ def _value_text(override) -> str:
         return override.input_line.partition("=")[2]
 
 
-def check_command_line(overrides: list[str], config_dirs: list[str], multirun: bool, config_module: str) -> None:
-    """What the overrides alone show: a missing --config-dir, an override Hydra cannot parse, a sweep
-    without -m, a launcher or sweeper whose plugin is not installed, and a key the schema does not have."""
+def check_command_line(
+    overrides: list[str], config_dirs: list[str], multirun: bool, config_module: str, config_name: str | None = None
+) -> None:
+    """What the command line alone shows: a missing --config-dir or --config-name, an override Hydra cannot
+    parse, a sweep without -m, a launcher or sweeper whose plugin is not installed, and a key the schema
+    does not have."""
     from hydra.core.global_hydra import GlobalHydra
 
     for d in config_dirs:
@@ -80,6 +83,9 @@ def check_command_line(overrides: list[str], config_dirs: list[str], multirun: b
     try:
         loader = _loader(config_module, config_dirs)
         groups = set(loader.list_groups(""))
+        if config_name and not loader.repository.config_exists(config_name):
+            primary = sorted(n for n in loader.get_group_options("") if not n.startswith("_"))
+            raise ConfigError(f"--config-name={config_name}: no such config: choose one of {', '.join(primary)}")
         for override in parsed:
             key = override.key_or_group
             if override.is_sweep_override() and not multirun:
@@ -115,7 +121,7 @@ def _check_plugin(group: str, option: str, known: list[str]) -> None:
             )
 
 
-def check_composition(jobs: list[list[str]], config_dirs: list[str], config_module: str) -> list:
+def check_composition(jobs: list[list[str]], config_dirs: list[str], config_module: str, config_name: str | None = None) -> list:
     """Compose each job as Hydra will and return the composed configs (hydra node included); turn
     Hydra's refusal into one line: a key the chosen group option lacks names the options that have
     it; a `+key` that is already set says to drop the +. What the overrides alone show is
@@ -129,15 +135,15 @@ def check_composition(jobs: list[list[str]], config_dirs: list[str], config_modu
         groups = set(loader.list_groups(""))
         for job in jobs:
             try:
-                composed.append(loader.load_configuration("config", job, run_mode=RunMode.RUN, from_shell=True))
+                composed.append(loader.load_configuration(config_name or "config", job, run_mode=RunMode.RUN, from_shell=True))
             except Exception as err:
-                raise ConfigError(_explain(err, job, _parse(job), loader, groups)) from None
+                raise ConfigError(_explain(err, job, _parse(job), loader, groups, config_name or "config")) from None
     finally:
         GlobalHydra.instance().clear()
     return composed
 
 
-def _explain(err: Exception, job: list[str], parsed: list, loader, groups: set[str]) -> str:
+def _explain(err: Exception, job: list[str], parsed: list, loader, groups: set[str], config_name: str) -> str:
     """One line for Hydra's refusal `err` of `job`."""
     from hydra.types import RunMode
 
@@ -151,7 +157,7 @@ def _explain(err: Exception, job: list[str], parsed: list, loader, groups: set[s
             if group not in groups:
                 return f"{line}: {key} is not in the composed config; set it with +{line}"
             rest = [o for o in job if o != line]
-            choices = loader.load_configuration("config", rest, run_mode=RunMode.RUN, from_shell=True).hydra.runtime.choices
+            choices = loader.load_configuration(config_name, rest, run_mode=RunMode.RUN, from_shell=True).hydra.runtime.choices
             chosen = choices.get(group)
             having = [f"{group}={o}" for o in loader.get_group_options(group) if _option_has(loader, group, o, leaf)]
             where = f"choose an option that has it: {', '.join(having)}" if having else f"no {group} option has it"

@@ -58,6 +58,8 @@ def trained(cwd) -> list:
         (["norm=rms,layer"], ["is a sweep", "add -m"]),
         (["lr=[1e-3"], ["not an override normlab can read", "key=value"]),
         (["--config-dir", "no/such/dir"], ["--config-dir=no/such/dir: no such directory"]),
+        (["--config-name", "nope"], ["--config-name=nope: no such config", "config"]),
+        (["lr=1e-3", "-m", "norm=rms,layer"], ["unrecognized arguments", "put -m and other options before the overrides"]),
         (["-m", "hydra/launcher=joblib", "lr=1e-3,3e-3"], ['pip install "normlab[joblib]"']),
         (["-m", "hydra/sweeper=lr_search"], ['pip install "normlab[optuna]"']),
         (["-m", "hydra/launcher=nope", "lr=1e-3"], ["hydra/launcher=nope is not a known option", "basic"]),
@@ -141,3 +143,13 @@ def test_saved_configs_with_an_unknown_key_still_load_without_validation():
     assert RunConfig.from_dict({"depth": 3, "removed_key": 1}, validate=False).depth == 3
     with pytest.raises(ConfigError, match="removed_key is not a config key"):
         RunConfig.from_dict({"depth": 3, "removed_key": 1})
+
+
+def test_hydras_own_keys_and_groups_and_presets_are_not_refused():
+    from normlab.app import CONFIG_MODULE
+    from normlab.overrides import check_command_line, check_composition
+
+    line = ["hydra/job_logging=disabled", "hydra.job.chdir=false", "+experiment=norm_grid", "norm=rms", "norm.eps=1e-6"]
+    check_command_line(line, [], True, CONFIG_MODULE)
+    [cfg] = check_composition([line], [], CONFIG_MODULE)
+    assert cfg.norm.eps == 1e-6 and list(cfg.hydra.sweeper.params) == ["norm", "placement"]

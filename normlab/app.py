@@ -253,6 +253,7 @@ def run_train(argv: list[str]) -> int:
     """`normlab train ARGS`: run Hydra with ARGS; returns the process exit code."""
     from hydra._internal.utils import get_args_parser
 
+    argv = [_experiment_override(arg) for arg in argv]
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help:
         # Help needs Hydra alone: importing torch (through distributed) would cost seconds.
@@ -282,6 +283,12 @@ def run_train(argv: list[str]) -> int:
     finally:
         distributed.shutdown()
     return 0
+
+
+def _experiment_override(arg: str) -> str:
+    """`+experiment=NAME` as `experiment=NAME`: the defaults list has an experiment slot (null), so Hydra
+    would refuse to append one; lightning-hydra-template users type it either way."""
+    return arg[1:] if arg.startswith("+experiment=") else arg
 
 
 def _fail(err) -> int:

@@ -117,9 +117,9 @@ def test_experiment_presets_compose_to_their_sweeps():
 
     register_resolvers()
     with initialize_config_module("normlab.conf", version_base="1.3"):
-        grid = compose("config", overrides=["+experiment=norm_grid"], return_hydra_config=True)
-        lrs = compose("config", overrides=["+experiment=lr_sweep"], return_hydra_config=True)
-        depth = compose("config", overrides=["+experiment=depth_sweep"], return_hydra_config=True)
+        grid = compose("config", overrides=["experiment=norm_grid"], return_hydra_config=True)
+        lrs = compose("config", overrides=["experiment=lr_sweep"], return_hydra_config=True)
+        depth = compose("config", overrides=["experiment=depth_sweep"], return_hydra_config=True)
     assert dict(grid.hydra.sweeper.params) == {"norm": "none,layer,rms,batch", "placement": "pre,post"}
     assert lrs.hydra.sweeper.params.lr == "3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1"
     assert depth.hydra.sweeper.params.depth == "2,4,8,16"

@@ -278,11 +278,21 @@ def run_train(argv: list[str]) -> int:
         if not distributed.is_main():
             argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]  # rank 0 writes the run dir's files
     sys.argv = ["normlab train", *argv]
+    _register_launcher()
     try:
         _hydra_main()
     finally:
         distributed.shutdown()
     return 0
+
+
+def _register_launcher() -> None:
+    """Make normlab's launcher (hydra/launcher=normlab, the default) known to Hydra. Hydra finds plugins by
+    walking the hydra_plugins package, which misses one in an editable install (`pip install -e .`)."""
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.normlab_launcher.normlab_launcher import NormlabLauncher
+
+    Plugins.instance().register(NormlabLauncher)
 
 
 def _experiment_override(arg: str) -> str:

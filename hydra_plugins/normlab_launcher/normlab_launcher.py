@@ -180,13 +180,16 @@ class NormlabLauncher(BasicLauncher):
                     break
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
-                    _, idx = running.pop(future)
+                    slot, idx = running.pop(future)
                     try:
                         returns[idx] = future.result()
                     except (SystemExit, KeyboardInterrupt) as err:  # fail_fast or a bad config: no new job starts
                         stop = stop or err
                     except Exception as err:  # the worker died (killed, out of memory): the job failed
                         returns[idx] = _failed(idx, err)
+                        workers[slot].shutdown(wait=False)  # a broken pool takes no more jobs: a fresh worker
+                        workers[slot] = ProcessPoolExecutor(1, context, initializer=_pin_worker,
+                                                            initargs=(slots[slot], threads, fraction))
         finally:
             for worker in workers:
                 worker.shutdown(wait=True, cancel_futures=True)

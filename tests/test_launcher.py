@@ -7,7 +7,8 @@ from multiprocessing import get_context
 
 import pytest
 
-from hydra_plugins.normlab_launcher.normlab_launcher import _pin_worker, plan_slots, threads_per_job, visible_gpus
+import hydra_plugins.normlab_launcher.normlab_launcher as launcher
+from hydra_plugins.normlab_launcher.normlab_launcher import plan_slots, threads_per_job, visible_gpus
 from test_cli import TINY, normlab, run_dirs
 
 
@@ -44,9 +45,10 @@ def _seen():
 
 def test_a_worker_is_pinned_to_its_gpu_before_it_runs_a_job():
     # Two slots over a simulated split of two GPUs, as the launcher starts them (spawned, pinned at start).
+    # The worker's start-up function as the module holds it now: Hydra's plugin scan may have re-run the module.
     seen = []
     for gpu in plan_slots(["0", "1"], jobs_per_gpu=1, cpu_jobs=1):
-        with ProcessPoolExecutor(1, get_context("spawn"), initializer=_pin_worker, initargs=(gpu, 3, 0.95)) as pool:
+        with ProcessPoolExecutor(1, get_context("spawn"), initializer=launcher._pin_worker, initargs=(gpu, 3, 0.95)) as pool:
             seen.append(pool.submit(_seen).result())
     assert seen == [("0", "3"), ("1", "3")]
 

@@ -121,11 +121,17 @@ def _check_plugin(group: str, option: str, known: list[str]) -> None:
             )
 
 
-def check_composition(jobs: list[list[str]], config_dirs: list[str], config_module: str, config_name: str | None = None) -> list:
-    """Compose each job as Hydra will and return the composed configs (hydra node included); turn
-    Hydra's refusal into one line: a key the chosen group option lacks names the options that have
-    it; a `+key` that is already set says to drop the +. What the overrides alone show is
-    check_command_line's."""
+def check_composition(
+    overrides: list[str], config_dirs: list[str], config_module: str, config_name: str | None = None, expand=None
+) -> list:
+    """Compose each job of `overrides` as Hydra will and return the composed configs (hydra node
+    included); turn Hydra's refusal into one line: a key the chosen group option lacks names the
+    options that have it; a `+key` that is already set says to drop the +. What the overrides alone
+    show is check_command_line's.
+
+    `expand(overrides, config_loader)` lists a multirun's jobs (app.sweep_jobs); where it cannot (a
+    search sweeper's interval), the overrides' fixed part is composed. None: one job, `overrides`.
+    """
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
@@ -133,6 +139,12 @@ def check_composition(jobs: list[list[str]], config_dirs: list[str], config_modu
     try:
         loader = _loader(config_module, config_dirs)
         groups = set(loader.list_groups(""))
+        jobs = [overrides]
+        if expand is not None:
+            try:
+                jobs = expand(overrides, loader)
+            except Exception:  # a sweep only a search sweeper expands: its trials are checked as they start
+                jobs = [[o.input_line for o in _parse(overrides) if not o.is_sweep_override()]]
         for job in jobs:
             try:
                 composed.append(loader.load_configuration(config_name or "config", job, run_mode=RunMode.RUN, from_shell=True))

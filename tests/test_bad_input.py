@@ -149,7 +149,7 @@ def test_hydras_own_keys_and_groups_and_presets_are_not_refused():
     from normlab.app import CONFIG_MODULE
     from normlab.overrides import check_command_line, check_composition
 
-    line = ["hydra/job_logging=disabled", "hydra.job.chdir=false", "+experiment=norm_grid", "norm=rms", "norm.eps=1e-6"]
+    line = ["hydra/job_logging=disabled", "hydra.job.chdir=false", "experiment=norm_grid", "norm=rms", "norm.eps=1e-6"]
     check_command_line(line, [], True, CONFIG_MODULE)
-    [cfg] = check_composition([line], [], CONFIG_MODULE)
+    [cfg] = check_composition(line, [], CONFIG_MODULE)
     assert cfg.norm.eps == 1e-6 and list(cfg.hydra.sweeper.params) == ["norm", "placement"]

@@ -61,7 +61,7 @@ class Run:
     summary: dict[str, Any]
     settings: dict[str, Any]
     rows: list[dict[str, Any]]
-    bad_lines: int = 0  # metrics.jsonl lines that were not JSON (a run killed mid-write)
+    bad_lines: int = 0  # metrics.jsonl lines that were not readable rows (a run killed mid-write, a damaged file)
 
     @property
     def norm(self) -> str:
@@ -84,6 +84,11 @@ class Run:
         return self.settings.get("seed")
 
     @property
+    def last_step(self) -> int | None:
+        """The last step metrics.jsonl holds a row for, or None."""
+        return max((row["step"] for row in self.rows if isinstance(row.get("step"), int)), default=None)
+
+    @property
     def diverged_step(self) -> int | None:
         if self.summary.get("diverged_step") is not None:
             return int(self.summary["diverged_step"])
@@ -92,7 +97,7 @@ class Run:
 
     @property
     def status(self) -> str:
-        """completed | diverged | failed | running (the process was killed, or still runs)."""
+        """completed | diverged | failed | running (the process was killed, or still runs) | incomplete (no summary.json)."""
         if self.summary.get("status"):
             return str(self.summary["status"])
         if self.diverged_step is not None:
@@ -162,19 +167,23 @@ class Run:
         return any(keys.layer_values(row, stat) for row in self.rows)
 
 
+RUN_FILES = (SUMMARY, METRICS, CONFIG)  # a dir holding any of them is a run dir: a killed run has no summary.json
+
+
 def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Every run dir (a dir holding summary.json) at or under `paths`, skipping wandb/ and hidden dirs."""
+    """Every run dir (a dir holding summary.json, metrics.jsonl or config.json) at or under `paths`,
+    skipping wandb/ and hidden dirs."""
     found: dict[Path, None] = {}
     for raw in paths:
         path = Path(raw)
         if not path.exists():
             raise CompareError(f"{raw}: no such file or directory")
         if path.is_file():
-            if path.name != SUMMARY:
+            if path.name not in RUN_FILES:
                 raise CompareError(f"{raw}: not a directory: give a run dir, a sweep dir or the outputs/ root")
             path = path.parent
         for root, dirs, files in os.walk(path):
-            if SUMMARY in files:
+            if any(name in files for name in RUN_FILES):
                 found[Path(root).resolve()] = None
                 dirs[:] = []
             else:
@@ -185,20 +194,45 @@ def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
 def load_run(path: Path) -> Run:
     """Read one run dir: summary.json, its config (see _read_config) and metrics.jsonl.
 
-    Raises CompareError if its summary.json is not a JSON object.
+    A run without summary.json (killed before it wrote one) is read from its other files, with
+    status "incomplete". Raises CompareError if its summary.json is not a JSON object (or not UTF-8),
+    or a value compare uses has the wrong type.
     """
-    try:
-        summary = json.loads((path / SUMMARY).read_text())
-    except (OSError, ValueError) as err:
-        raise CompareError(f"{path / SUMMARY}: unreadable ({err})") from err
-    if not isinstance(summary, dict):
-        raise CompareError(f"{path / SUMMARY}: not a JSON object")
+    summary: dict[str, Any] = {"status": "incomplete"}
+    if (path / SUMMARY).exists():
+        try:
+            summary = json.loads((path / SUMMARY).read_bytes().decode("utf-8"))
+        except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
+            raise CompareError(f"{path / SUMMARY}: unreadable ({_one_line(err)})") from None
+        if not isinstance(summary, dict):
+            raise CompareError(f"{path / SUMMARY}: not a JSON object")
+        _check_summary_types(path / SUMMARY, summary)
     settings = _read_config(path)
     for summary_key, config_key in SUMMARY_TO_CONFIG.items():
         if summary.get(summary_key) is not None:
             settings[config_key] = summary[summary_key]
     rows, bad_lines = _read_metrics(path / METRICS)
     return Run(path=path, summary=summary, settings=settings, rows=rows, bad_lines=bad_lines)
+
+
+# Summary keys compare computes with, and the JSON types each may hold (null is allowed for all).
+SUMMARY_TYPES = {
+    "status": (str,), "error": (str,), "norm": (str,), "placement": (str,), "lr": (int, float, str), "seed": (int,),
+    "depth": (int,), "diverged_step": (int,), "final_val_loss": (int, float, str), "best_val_loss": (int, float, str),
+    "tokens_per_s": (int, float, str), "steps": (int,),
+}  # fmt: skip
+
+
+def _check_summary_types(path: Path, summary: dict[str, Any]) -> None:
+    for key, types in SUMMARY_TYPES.items():
+        value = summary.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            allowed = " or ".join("a number" if t is float else {int: "an integer", str: "a string"}[t] for t in types)
+            raise CompareError(f"{path}: {key}={json.dumps(value)[:60]} has the wrong type: it must be {allowed}")
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def _read_config(run_dir: Path) -> dict[str, Any]:
@@ -239,20 +273,32 @@ def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
     if not path.is_file():
         return [], 0
     rows, bad = [], 0
-    with open(path) as fh:
+    with open(path, "rb") as fh:
         for line in fh:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.decode("utf-8"))  # a line of invalid UTF-8 is a bad line, like torn JSON
             except ValueError:
                 bad += 1
                 continue
-            if isinstance(row, dict):
+            if isinstance(row, dict) and _row_is_sound(row):
                 rows.append(row)
             else:
                 bad += 1
     return rows, bad
+
+
+def _row_is_sound(row: dict[str, Any]) -> bool:
+    """A metrics row compare can use: an integer step (if any) and number-like values where it reads numbers."""
+    step = row.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        return False
+    return all(_number_like(v) for k, v in row.items() if k not in ("step", "status") and not isinstance(v, str))
+
+
+def _number_like(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 # ------------------------------------------------------------------------------------------ arms
@@ -443,5 +489,5 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
         if run.outcome_loss is None:
             notes.append(f"{run.path.name} has status {run.status!r} (killed or still running): left out of the LR sensitivity")
         if run.bad_lines:
-            notes.append(f"{run.path.name}: {run.bad_lines} line(s) of {METRICS} were not JSON and were ignored")
+            notes.append(f"{run.path.name}: {run.bad_lines} line(s) of {METRICS} were not readable rows (torn, not UTF-8 JSON, or of the wrong types) and were ignored")
     return Comparison(runs=ordered, arms=arms, arm_of=arm_by_path, root=root, notes=notes)

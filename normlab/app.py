@@ -25,6 +25,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from . import machine, overrides
 from .config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, check_norm_knob, format_lr
 
 log = logging.getLogger("normlab")
@@ -282,7 +283,9 @@ def run_train(argv: list[str]) -> int:
     from hydra._internal.utils import get_args_parser
 
     argv = [_experiment_override(arg) for arg in argv]
-    args = get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+    parser.error = _refuse_arguments
+    args = parser.parse_args(argv)
     if args.help or args.hydra_help:
         # Help needs Hydra alone: importing torch (through distributed) would cost seconds.
         sys.argv = ["normlab train", *argv]
@@ -291,8 +294,14 @@ def run_train(argv: list[str]) -> int:
 
     config_dirs = [args.config_dir] if args.config_dir else []
     try:
-        argv = [*argv, *precheck(args.overrides, config_dirs, multirun=args.multirun)]
+        overrides.check_command_line(args.overrides, config_dirs, args.multirun, CONFIG_MODULE, args.config_name)
+        extra = precheck(args.overrides, config_dirs, multirun=args.multirun)
+        argv = [*argv, *extra]
+        composed = overrides.check_composition(
+            [*args.overrides, *extra], config_dirs, CONFIG_MODULE, args.config_name, sweep_jobs if args.multirun else None
+        )
         check_jobs(args.overrides, config_dirs, args.multirun)
+        machine.check_machine(composed, args.multirun, local=not _on_cluster(args.overrides))
     except ConfigError as err:
         return _fail(err)
     except Exception as err:  # Hydra's override grammar: one line is enough
@@ -316,6 +325,21 @@ def run_train(argv: list[str]) -> int:
     finally:
         distributed.shutdown()
     return 0
+
+
+def _refuse_arguments(message: str) -> None:
+    """Hydra's argument parser refuses the command line: one line instead of its usage text."""
+    stray = message.partition("unrecognized arguments:")[2].split()
+    if stray and all("=" in arg for arg in stray):  # overrides after an option: argparse takes overrides only once
+        hint = ": put -m and other options before the overrides (normlab train -m lr=1e-3,3e-3 norm=rms)"
+    else:
+        hint = ": `normlab train --help` lists the options"
+    sys.exit(_fail(f"train: {message}{hint}"))
+
+
+def _on_cluster(overrides: list[str]) -> bool:
+    """Whether the jobs run elsewhere, through a SLURM launcher: this machine's device and memory are not theirs."""
+    return any(o.startswith("hydra/launcher=") and "slurm" in o for o in overrides)
 
 
 def _slurm_preflight(overrides: list[str], config_dirs: list[str]) -> str | None:

@@ -6,13 +6,14 @@ sensitivity) and writes it as report.md (report.py) and PNG plots (plots.py) int
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import sys
 import time
 from pathlib import Path
 
-from .analysis import SUMMARY, CompareError, build_comparison, find_run_dirs
+from .analysis import CONFIG, METRICS, SUMMARY, CompareError, build_comparison, find_run_dirs
 from .plots import write_plots
 from .report import write_report
 
@@ -30,13 +31,19 @@ def compare(paths: list[str], out: str | os.PathLike | None = None) -> Path:
     """Find the runs under `paths`, write report.md and the PNG plots into the report dir, and return its path."""
     run_dirs = find_run_dirs(paths)
     if not run_dirs:
-        raise CompareError(f"no runs under {', '.join(map(str, paths))}: a run dir holds {SUMMARY}")
+        raise CompareError(f"no runs under {', '.join(map(str, paths))}: a run dir holds {SUMMARY}, {METRICS} or {CONFIG}")
     comparison = build_comparison(run_dirs)
     report_dir = Path(out) if out is not None else default_report_dir(paths, run_dirs)
-    report_dir.mkdir(parents=True, exist_ok=True)
-
-    plots = write_plots(comparison, report_dir)
-    write_report(comparison, report_dir, plots, sources=paths)
+    try:
+        if report_dir.exists() and not report_dir.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a directory")
+        report_dir.mkdir(parents=True, exist_ok=True)
+        plots = write_plots(comparison, report_dir)
+        write_report(comparison, report_dir, plots, sources=paths)
+    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        option = "--out" if out is not None else "the report dir"
+        raise CompareError(f"{option} {report_dir}: cannot write the report there: {reason}: choose another with --out DIR") from None
     return report_dir
 
 

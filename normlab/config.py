@@ -22,6 +22,11 @@ DATA_SOURCES = ("stdlib", "text", "hf")
 TOKENIZERS = ("byte", "bpe", "hf")
 BPE_VOCAB_RANGE = (257, 65536)  # the 256 bytes plus at least one merge; ids fit in uint16
 WANDB_MODES = ("offline", "online", "disabled")
+SEED_RANGE = (0, 2**32 - 1)  # what numpy and torch take as a seed
+BYTE_VOCAB = 256  # the byte tokenizer's ids
+WANDB_PROJECT_MAX = 128  # wandb's limits on a project name and on each tag
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+WANDB_TAG_MAX = 64
 RESUME_CHOICES = "choose null (start fresh), auto (the newest checkpoint in the run dir, if any) or a checkpoint path"
 
 
@@ -258,10 +263,14 @@ class RunConfig:
     def from_dict(cls, raw: Mapping[str, Any], validate: bool = True) -> "RunConfig":
         """Build (and unless told not to, validate) a RunConfig from a resolved mapping.
 
-        Keys unknown to the schema are kept out; values of the wrong type raise ConfigError either way.
+        Keys unknown to the schema raise ConfigError when validating (a typo would otherwise change
+        nothing, silently), with the nearest known key as a suggestion; without validation they are kept
+        out, so an old config.json still loads. Values of the wrong type raise ConfigError either way.
         """
         if isinstance(raw, Mapping) and isinstance(raw.get("resume"), bool):
             raise ConfigError(f"resume={raw['resume']}: {RESUME_CHOICES}")
+        if validate and isinstance(raw, Mapping):
+            check_known_keys(raw)
         cfg = _build(cls, raw, prefix="")
         if validate:
             cfg.validate()
@@ -363,6 +372,7 @@ class RunConfig:
         self._validate_norm_knobs()
         self._validate_combination()
         self._validate_data()
+        self._validate_limits()
         if self.data.source == "text" and not self.data.files:
             raise ConfigError("data.files is empty: data=text needs data.files=[path, ...]")
         if self.data.source == "hf" and not self.data.name:
@@ -393,6 +403,37 @@ class RunConfig:
                 f"data.val_split={self.data.val_split!r} with data={self.data.source}: only data=hf has named splits; "
                 "use data.val_fraction"
             )
+
+    def _validate_limits(self) -> None:
+        """Values the libraries below would refuse with a traceback, or ignore: checked here, in one line each."""
+        low, high = SEED_RANGE
+        if not low <= self.seed <= high:
+            raise ConfigError(f"seed={self.seed}: must be an integer between {low} and 2**32-1 ({high})")
+        betas = self.optim.betas
+        if len(betas) != 2 or not all(_is_number(b) and 0.0 <= b < 1.0 for b in betas):
+            raise ConfigError(f"optim.betas={betas}: AdamW takes two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
+        if self.optim.eps < 0:
+            raise ConfigError(f"optim.eps={self.optim.eps}: must be >= 0")
+        tokenizer_vocab = {"byte": BYTE_VOCAB, "bpe": self.tokenizer.vocab_size}.get(self.tokenizer.kind)
+        if self.model.vocab_size is not None:
+            _at_least("model.vocab_size", self.model.vocab_size, 1)
+            if tokenizer_vocab is not None and self.model.vocab_size < tokenizer_vocab:
+                raise ConfigError(
+                    f"model.vocab_size={self.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                    f"({tokenizer_vocab} ids, tokenizer={self.tokenizer.kind}): set model.vocab_size=null to follow "
+                    f"the tokenizer, or at least {tokenizer_vocab}"
+                )
+        for key, source in (("files", "text"), ("name", "hf"), ("config_name", "hf")):
+            if getattr(self.data, key) and self.data.source != source:
+                raise ConfigError(
+                    f"data.{key} is set, but data={self.data.source} does not read it: add data={source} "
+                    f"(data.{key} belongs to data={source})"
+                )
+        if self.tokenizer.name and self.tokenizer.kind != "hf":
+            raise ConfigError(
+                f"tokenizer.name is set, but tokenizer={self.tokenizer.kind} does not read it: add tokenizer=hf"
+            )
+        check_wandb_names(self.wandb.project, self.wandb.tags)
 
     def _validate_norm_knobs(self) -> None:
         """A knob the norm does not read must keep its default: a set one would be silently ignored.
@@ -437,6 +478,91 @@ class RunConfig:
                 )
 
 
+def check_wandb_names(project: str, tags: list) -> None:
+    """wandb's own rules for a project name and tags (wandb.sdk.wandb_settings), checked before a run starts."""
+    bad = sorted(set(WANDB_PROJECT_FORBIDDEN) & set(project))
+    if not project or len(project) > WANDB_PROJECT_MAX or bad:
+        raise ConfigError(
+            f"wandb.project={project!r}: a wandb project name has 1 to {WANDB_PROJECT_MAX} characters, none of "
+            f"{' '.join(WANDB_PROJECT_FORBIDDEN)}" + (f" (found {' '.join(bad)})" if bad else "")
+        )
+    for tag in tags:
+        if not isinstance(tag, (str, int, float)) or isinstance(tag, bool) or not 1 <= len(str(tag)) <= WANDB_TAG_MAX:
+            raise ConfigError(f"wandb.tags: tag {tag!r} is not allowed: a wandb tag is a string of 1 to {WANDB_TAG_MAX} characters")
+
+
+def schema_keys(cls: type | None = None, prefix: str = "") -> tuple[str, ...]:
+    """Every dotted key of RunConfig, sub-configs and their keys alike ('norm', 'norm.name', ...), in schema order."""
+    cls = cls or RunConfig
+    hints = get_type_hints(cls)
+    found: list[str] = []
+    for f in fields(cls):
+        found.append(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            found += schema_keys(hints[f.name], f"{prefix}{f.name}.")
+    return tuple(found)
+
+
+def check_known_keys(raw: Mapping[str, Any], cls: type | None = None, prefix: str = "") -> None:
+    """ConfigError for the first key of `raw` (a config tree) that the schema does not have."""
+    cls = cls or RunConfig
+    hints = get_type_hints(cls)
+    for key, value in raw.items():
+        if key == "hydra" and not prefix:
+            continue  # Hydra's own node, where a caller has left it in
+        if key not in hints:
+            raise ConfigError(unknown_key_message(prefix + str(key), value))
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, Mapping):
+            check_known_keys(value, hints[key], f"{prefix}{key}.")
+
+
+def unknown_key_message(key: str, value: Any = dataclasses.MISSING, extra_keys: tuple[str, ...] = ()) -> str:
+    """One line for a key the schema does not have: the nearest known key as a suggestion
+    ("did you mean norm=rms?"), else the keys allowed beside it. `extra_keys`: further names a user
+    may mean (config groups such as 'experiment')."""
+    shown = key if value is dataclasses.MISSING else f"{key}={override_text(value)}"
+    suggestion = suggest_key(key, extra_keys)
+    if suggestion:
+        fix = suggestion if value is dataclasses.MISSING else f"{suggestion}={override_text(value)}"
+        return f"{shown}: {key} is not a config key; did you mean {fix}?"
+    parent = key.rpartition(".")[0]
+    siblings = [k.rpartition(".")[2] for k in (*schema_keys(), *extra_keys) if k.rpartition(".")[0] == parent]
+    where = f"the keys under {parent} are" if parent else "the top-level keys are"
+    if not siblings:
+        return f"{shown}: {key} is not a config key (`normlab train --help` lists them)"
+    return f"{shown}: {key} is not a config key; {where}: {', '.join(siblings)}"
+
+
+def suggest_key(key: str, extra_keys: tuple[str, ...] = ()) -> str | None:
+    """The known key a typo most likely meant ('nrom' -> 'norm', 'model.dmodel' -> 'model.d_model',
+    'lr_rate' -> 'lr'), or None."""
+    import difflib
+
+    known = (*schema_keys(), *extra_keys)
+    # The key's own parent ('model' for 'model.zzz') is no suggestion: it holds the unknown key.
+    candidates = [k for k in known if not key.startswith(k + ".")]
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.7)
+    if close:
+        return close[0]
+    parent, _, leaf = key.rpartition(".")
+    # A known key with a word added ('lr_rate', 'depth_n'): the known key is the typed key's first word.
+    head = (parent + "." if parent else "") + leaf.replace("-", "_").split("_")[0]
+    return head if head != key and head in known else None
+
+
+def override_text(value: Any) -> str:
+    """`value` as it is typed in an override: rms, 0.5, [a.txt,b.txt], null."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_text(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{override_text(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
 def bookkeeping_keys() -> tuple[str, ...]:
     """The dotted keys of RunConfig marked `bookkeeping` ('name', 'ckpt', 'data.cache_dir', ...), in schema order.
 
@@ -464,6 +590,10 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
 def _positive(key: str, value: float) -> None:
     if not (value > 0 and math.isfinite(value)):
         raise ConfigError(f"{key}={value}: must be a positive number")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _at_least(key: str, value: int, low: int) -> None:
@@ -504,8 +634,10 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
             return value
         raise ConfigError(f"{key}={value!r}: must be an integer")
     if base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if _is_number(value) and math.isfinite(value):
             return float(value)
+        if _is_number(value):
+            raise ConfigError(f"{key}={value}: must be a finite number (not nan or inf)")
         raise ConfigError(f"{key}={value!r}: must be a number")
     if base is str:
         if isinstance(value, str):

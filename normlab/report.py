@@ -61,6 +61,10 @@ def runs_section(comparison: Comparison) -> list[str]:
             f"{tokens_per_s:.0f}" if math.isfinite(tokens_per_s) else MISSING,
         ])  # fmt: skip
     lines = ["## Runs", "", *_table(RUN_COLUMNS, rows)]
+    incomplete = [run for run in comparison.runs if run.status == "incomplete"]
+    if incomplete:
+        lines += ["", "Incomplete runs (no summary.json: killed, or still running):", ""]
+        lines += [f"- `{comparison.run_label(r)}`: last step {_cell(r.last_step)}" for r in incomplete]
     failed = [run for run in comparison.runs if run.status == "failed"]
     if failed:
         lines += ["", "Failed runs:", ""]

@@ -235,7 +235,7 @@ def test_a_killed_run_is_listed_but_left_out_of_the_sensitivity(tmp_path):
     report = (compare([str(sweep)]) / "report.md").read_text()
     assert {r["run"]: r["status"] for r in table(report, "Runs")}["c"] == "running"
     assert "c has status 'running' (killed or still running): left out of the LR sensitivity" in report
-    assert "c: 1 line(s) of metrics.jsonl were not JSON and were ignored" in report
+    assert "c: 1 line(s) of metrics.jsonl were not readable rows (torn, not UTF-8 JSON, or of the wrong types) and were ignored" in report
 
 
 def test_config_keys_that_differ_split_arms_but_lr_and_seed_do_not(tmp_path):
@@ -401,7 +401,7 @@ def run_compare_cli(args: list[str]) -> int:
     "args, message",
     [
         (["nowhere"], "normlab: error: nowhere: no such file or directory"),
-        (["empty"], "normlab: error: no runs under empty: a run dir holds summary.json"),
+        (["empty"], "normlab: error: no runs under empty: a run dir holds summary.json, metrics.jsonl or config.json"),
         (["notes.txt"], "normlab: error: notes.txt: not a directory: give a run dir, a sweep dir or the outputs/ root"),
         (["broken"], "normlab: error: no readable runs: {tmp}/broken/summary.json: unreadable ("),
         ([], "normlab: error: compare: the following arguments are required: PATH"),
@@ -490,3 +490,77 @@ def test_compare_on_a_real_sweep_reports_the_summary_numbers(real_sweep):
         assert row["LR sensitivity"] == f"{expected:.4f}"
         assert row["ℓ₀ (init)"] == f"{init:.4f}" and row["ℓ* (best)"] == f"{best:.4f}"
     assert "## Seeds" not in report  # one seed per arm and lr
+
+
+# ------------------------------------------------------------------------------------------ damaged input
+
+
+def test_a_run_killed_before_its_summary_is_listed_as_incomplete_with_its_last_step(tmp_path):
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "done", lr=1e-3)
+    killed = write_run(sweep / "killed", lr=1e-2, max_steps=8)
+    (killed / "summary.json").unlink()
+    started = write_run(sweep / "started", lr=1e-1)  # killed before its first row: config.json only
+    (started / "summary.json").unlink()
+    (started / "metrics.jsonl").unlink()
+    assert sorted(p.name for p in find_run_dirs([sweep])) == ["done", "killed", "started"]
+    run = load_run(killed)
+    assert run.status == "incomplete" and run.last_step == 8 and run.outcome_loss is None
+    report = (compare([str(sweep)], out=tmp_path / "r") / "report.md").read_text()
+    rows = {r["run"]: r for r in table(report, "Runs")}
+    assert rows["killed"]["status"] == "incomplete" and rows["killed"]["lr"] == "1e-2"
+    assert rows["started"]["status"] == "incomplete" and rows["started"]["norm"] == "rms"
+    assert "- `killed`: last step 8" in report and "- `started`: last step —" in report
+    [arm] = build_comparison(find_run_dirs([sweep])).arms
+    assert [p.lr for p in arm.points if p.counted] == [1e-3]  # incomplete runs are not in the sensitivity
+
+
+@pytest.mark.parametrize(
+    "summary, reason",
+    [
+        (b'{"norm": "rms", "seed": "zero"}', 'seed="zero" has the wrong type: it must be an integer'),
+        (b'{"status": 3}', "status=3 has the wrong type: it must be a string"),
+        (b'{"final_val_loss": [1]}', "final_val_loss=[1] has the wrong type"),
+        (b'{"diverged_step": true}', "diverged_step=true has the wrong type"),
+        (b'{"norm": "\xff\xfe"}', "unreadable ('utf-8' codec can't decode"),
+        (b"[1, 2]", "not a JSON object"),
+    ],
+)
+def test_a_damaged_summary_skips_its_run_with_a_note_or_gives_one_line(tmp_path, capsys, summary, reason):
+    good = write_run(tmp_path / "sweep" / "good")
+    bad = write_run(tmp_path / "sweep" / "bad", lr=1e-2)
+    (bad / "summary.json").write_bytes(summary)
+    report = (compare([str(tmp_path / "sweep")], out=tmp_path / "r") / "report.md").read_text()
+    assert [r["run"] for r in table(report, "Runs")] == ["good"]
+    assert f"skipped {bad / 'summary.json'}: {reason}" in report
+    # alone, the damaged run is the command's one-line error
+    assert run_compare_cli([str(bad), "--out", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("normlab: error: no readable runs: ") and reason in err
+    assert "Traceback" not in err and good.exists()
+
+
+def test_metrics_rows_of_the_wrong_type_or_invalid_utf8_are_counted_and_ignored(tmp_path):
+    run_dir = write_run(tmp_path / "sweep" / "a", max_steps=8)
+    with open(run_dir / "metrics.jsonl", "ab") as fh:
+        fh.write(b'{"step": "nine", "loss": 1.0}\n')
+        fh.write(b'{"step": 9, "loss": [1.0]}\n')
+        fh.write(b'{"step": 9, "loss": \xff}\n')
+        fh.write(b'["step", 9]\n')
+    run = load_run(run_dir)
+    assert run.bad_lines == 4 and run.last_step == 8
+    report = (compare([str(tmp_path / "sweep")], out=tmp_path / "r") / "report.md").read_text()
+    assert "a: 4 line(s) of metrics.jsonl were not readable rows" in report
+    assert table(report, "Runs")[0]["final val loss"] == "3.0000"
+
+
+@pytest.mark.parametrize("out", ["a_file", "a_file/report", "/proc/normlab-report"])
+def test_a_report_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys, out):
+    monkeypatch.chdir(tmp_path)
+    write_run(tmp_path / "sweep" / "a")
+    (tmp_path / "a_file").write_text("keep me")
+    assert run_compare_cli(["sweep", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"normlab: error: --out {out}: cannot write the report there: "), err
+    assert "choose another with --out DIR" in err
+    assert (tmp_path / "a_file").read_text() == "keep me"

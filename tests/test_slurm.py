@@ -134,10 +134,11 @@ def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, 
     limit) through the scheduler, checkpoints, is requeued by submitit and resumes in its dir, to the
     uninterrupted run's result. Job 1's corpus file is missing: it fails with normlab's one line, alone."""
     sweep = tmp_path / "sweep"
-    on_slurm = normlab("-m", "hydra/launcher=slurm_cpu", *LONG, "data=stdlib,text", "++data.files=[/nonexistent/corpus.txt]",
+    corpus = tmp_path / "corpus.txt"  # some of the standard library's sources: data.files needs data=text
+    corpus.write_text("".join(p.read_text() for p in sorted(Path(os.__file__).parent.glob("[a-c]*.py"))))
+    on_slurm = normlab("-m", "hydra/launcher=slurm_cpu", *LONG, "data=text", f"data.files=[{corpus}],[/nonexistent/corpus.txt]",
                        f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    whole = normlab(*LONG, "data=stdlib", "++data.files=[/nonexistent/corpus.txt]", f"hydra.run.dir={tmp_path / 'whole'}",
-                    cwd=tmp_path)
+    whole = normlab(*LONG, "data=text", f"data.files=[{corpus}]", f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
     job = sweep / "0_layer-pre-d2-lr3e-3-s0"
     deadline = time.monotonic() + 240
     while not ((job / "metrics.jsonl").exists() and len(rows(job)) >= 3):

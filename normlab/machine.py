@@ -1,0 +1,157 @@
+"""What this machine can give a run, checked before Hydra starts: the device, the memory, the run dir.
+
+Each check raises ConfigError with one line. The memory check compares a rough estimate of what a
+run needs (`estimate_memory`) with what the machine has: physical RAM on the CPU, free memory on a
+CUDA device. The estimate errs low, so it refuses only runs that cannot fit, such as depth=1000000,
+which would otherwise allocate for a minute and end in a MemoryError.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import BYTE_VOCAB, ConfigError, RunConfig
+
+GIB = 2**30
+PERSISTENT_BYTES_PER_PARAM = 16  # fp32 weight, its gradient, and AdamW's two moments
+# Activations kept for the backward pass, per token and per layer, in units of d_model: the block's
+# input, the two norms' outputs, q, k, v, the attention output and projection (8), and the MLP's
+# hidden layer before and after GELU (2 × mlp_ratio). Attention scores are left out (SDPA need not keep them).
+ACTIVATIONS_PER_TOKEN_LAYER = 8
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """A rough lower bound on a run's memory, in bytes."""
+
+    params: int  # parameter count
+    persistent: int  # parameters, gradients and AdamW state
+    activations: int  # one micro-batch's activations and logits, kept for the backward pass
+
+    @property
+    def total(self) -> int:
+        return self.persistent + self.activations
+
+
+def estimate_memory(cfg: RunConfig, element_bytes: int = 4) -> MemoryEstimate:
+    """What `cfg` needs at least: P = (V + C)·d + L·(4 + 2r)·d² parameters (embeddings, attention and MLP
+    weights; biases and norm gains left out), 16 bytes each with gradient and AdamW state, plus
+    b·T·(L·(8 + 2r)·d + 2V) activations of `element_bytes` for a micro-batch of b sequences of T tokens."""
+    m = cfg.model
+    vocab = m.vocab_size or {"byte": BYTE_VOCAB, "bpe": cfg.tokenizer.vocab_size}.get(cfg.tokenizer.kind, BYTE_VOCAB)
+    d, depth, ratio = m.d_model, cfg.depth, m.mlp_ratio
+    params = (vocab + m.context) * d + depth * (4 + 2 * ratio) * d * d
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    activations = tokens * (depth * (ACTIVATIONS_PER_TOKEN_LAYER + 2 * ratio) * d + 2 * vocab) * element_bytes
+    return MemoryEstimate(params, params * PERSISTENT_BYTES_PER_PARAM, activations)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:,.1f} MiB"
+
+
+def physical_memory() -> int | None:
+    """The machine's physical RAM in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_device(name: str) -> str:
+    """The device type a run of `device=name` trains on ('cpu' or 'cuda'); ConfigError if it is not here."""
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        built = torch.version.cuda or "no CUDA"
+        raise ConfigError(
+            f"device=cuda, but torch sees no CUDA device here (torch {torch.__version__}, built for {built}): "
+            "use device=cpu, or device=auto to take CUDA when there is one"
+        )
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def check_memory(cfgs: list[RunConfig], device: str) -> None:
+    """ConfigError if a run's estimated memory exceeds what `device` ('cpu' or 'cuda') has."""
+    if device == "cuda":
+        import torch
+
+        available, where = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0], "free on the CUDA device"
+    else:
+        available, where = physical_memory(), "of physical memory on this machine"
+    if not available:
+        return
+    for cfg in cfgs:
+        low_precision = device == "cuda" and cfg.precision != "fp32"
+        need = estimate_memory(cfg, element_bytes=2 if low_precision else 4)
+        if need.total > available:
+            raise ConfigError(
+                f"{cfg.run_name} needs about {_gib(need.total)} ({need.params:,} parameters with gradients and AdamW "
+                f"state: {_gib(need.persistent)}; activations: {_gib(need.activations)}), but there is {_gib(available)} "
+                f"{where}: lower depth, model.d_model, batch_size or seq_len (or raise grad_accum)"
+            )
+
+
+def check_output_dir(path: str, key: str) -> None:
+    """ConfigError if directory `path` (set by override `key`) cannot be made or written; nothing is created."""
+    if not path.strip():
+        raise ConfigError(f"{key}={path!r}: the run dir must be a path: choose one with {key}=DIR")
+    target = Path(path).absolute()
+    try:
+        existing = next(p for p in (target, *target.parents) if p.exists())
+        if not existing.is_dir():
+            raise ConfigError(f"{key}={path}: {existing} is a file, not a directory: choose another run dir with {key}=DIR")
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+        too_long = [part for part in target.relative_to(existing).parts if len(part.encode()) > name_max]
+        if too_long:
+            raise ConfigError(f"{key}={path}: the name {too_long[0][:40]}... is longer than {name_max} bytes: choose a shorter one")
+        probe = tempfile.mkdtemp(prefix=".normlab-probe-", dir=existing)  # writable? (os.access ignores read-only mounts for root)
+        shutil.rmtree(probe, ignore_errors=True)
+    except ConfigError:
+        raise
+    except ValueError as err:  # a NUL byte in the path
+        raise ConfigError(f"{key}={path!r}: not a valid path ({err})") from None
+    except OSError as err:
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise ConfigError(f"{key}={path}: cannot create the run dir there: {reason}: choose another with {key}=DIR") from None
+
+
+def check_machine(composed: list, multirun: bool, local: bool) -> None:
+    """Check the composed jobs (Hydra configs, hydra node included) against this machine: the run dir
+    (the sweep dir in a multirun) can be made; and when the jobs run here (`local`, not on a cluster
+    through a launcher), the device exists (a sweep's job on a missing device fails alone, when it runs)
+    and each run's memory estimate fits."""
+    from omegaconf import OmegaConf, open_dict
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        out_dir = str(OmegaConf.select(composed[0], key)) if composed else None
+    except Exception:  # an interpolation only a running Hydra resolves (${hydra:...}): Hydra makes the dir
+        out_dir = None
+    if out_dir is not None:
+        check_output_dir(out_dir, key)
+    if not local:
+        return
+    cfgs = []
+    for cfg in composed:
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
+        cfgs.append(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True), validate=False))
+    for device in sorted({cfg.device for cfg in cfgs}):
+        if multirun and device == "cuda" and not _has_cuda():
+            continue  # in a sweep, that job fails alone and the sweep goes on, as any failing job does
+        resolved = check_device(device)
+        check_memory([cfg for cfg in cfgs if cfg.device == device], resolved)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,195 @@
+"""The command line's overrides, checked before Hydra runs: one `normlab: error:` line for each mistake.
+
+Hydra answers a mistyped key, a key the chosen group option lacks, a missing launcher plugin, a
+missing --config-dir or a sweep without -m with several lines and exit code 1, and accepts
+`+key=value` for any key at all. `check_command_line` catches what the overrides alone show;
+`check_composition` composes each job once, as Hydra will, and turns Hydra's refusal into one
+line that says what is allowed. Both raise ConfigError. Keys are checked against the schema
+(normlab.config.RunConfig); unknown keys in the composed config are RunConfig.from_dict's to refuse.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from omegaconf import OmegaConf, open_dict
+
+from .config import ConfigError, schema_keys, unknown_key_message
+
+# Hydra plugins by the group options that need them: (the plugin's module, normlab's pip extra).
+PLUGINS = {
+    "joblib": ("hydra_plugins.hydra_joblib_launcher", "joblib"),
+    "submitit_local": ("hydra_plugins.hydra_submitit_launcher", "slurm"),
+    "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "slurm"),
+    "slurm": ("hydra_plugins.hydra_submitit_launcher", "slurm"),
+    "slurm_cpu": ("hydra_plugins.hydra_submitit_launcher", "slurm"),
+    "optuna": ("hydra_plugins.hydra_optuna_sweeper", "optuna"),
+    "lr_search": ("hydra_plugins.hydra_optuna_sweeper", "optuna"),
+}
+PLUGIN_GROUPS = ("hydra/launcher", "hydra/sweeper")
+
+
+def _loader(config_module: str, config_dirs: list[str]):
+    """Hydra's config loader over the search path `normlab train` gets: the packaged conf/, then --config-dir."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+
+    search_path = create_config_search_path("pkg://" + config_module)
+    for d in config_dirs:
+        search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
+    return Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path).config_loader
+
+
+def _parse(overrides: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    parsed = []
+    for line in overrides:
+        try:
+            parsed += parser.parse_overrides([line])
+        except OverrideParseException as err:
+            # Hydra's message: "Error parsing override ...", the parser's reason, then a link to the grammar.
+            lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+            reason = next((ln for ln in lines[1:] if not ln.startswith("See ")), lines[0] if lines else "")
+            raise ConfigError(
+                f"{line}: not an override normlab can read ({reason}); write key=value, +key=value, group=option or ~key"
+            ) from None
+    return parsed
+
+
+def _value_text(override) -> str:
+    try:
+        return override.get_value_element_as_str()
+    except Exception:  # a sweep has no single value
+        return override.input_line.partition("=")[2]
+
+
+def check_command_line(
+    overrides: list[str], config_dirs: list[str], multirun: bool, config_module: str, config_name: str | None = None
+) -> None:
+    """What the command line alone shows: a missing --config-dir or --config-name, an override Hydra cannot
+    parse, a sweep without -m, a launcher or sweeper whose plugin is not installed, and a key the schema
+    does not have."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    for d in config_dirs:
+        if not Path(d).is_dir():
+            raise ConfigError(f"--config-dir={d}: no such directory: give a directory that holds config group dirs (norm/, model/, ...)")
+    parsed = _parse(overrides)
+    try:
+        loader = _loader(config_module, config_dirs)
+        groups = set(loader.list_groups(""))
+        if config_name and not loader.repository.config_exists(config_name):
+            primary = sorted(n for n in loader.get_group_options("") if not n.startswith("_"))
+            raise ConfigError(f"--config-name={config_name}: no such config: choose one of {', '.join(primary)}")
+        for override in parsed:
+            key = override.key_or_group
+            if override.is_sweep_override() and not multirun:
+                raise ConfigError(
+                    f"{override.input_line} is a sweep: add -m (normlab train -m {override.input_line}) to run one job "
+                    f"per value; for a list write {key}=[a,b], for text with a comma quote it: {key}='a,b'"
+                )
+            if key in PLUGIN_GROUPS:
+                _check_plugin(key, _value_text(override), loader.get_group_options(key))
+            elif not (override.is_delete() or override.package is not None or key in groups or _hydra_own(key)):
+                if key not in schema_keys():
+                    raise ConfigError(unknown_key_message(key, _value_text(override), extra_keys=tuple(sorted(groups))))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _hydra_own(key: str) -> bool:
+    """A key or group of Hydra's own (hydra.run.dir, hydra/job_logging) or a nested group path: not the schema's."""
+    return key.startswith("hydra.") or "/" in key
+
+
+def _check_plugin(group: str, option: str, known: list[str]) -> None:
+    for name in option.split(","):  # a sweep over launchers is refused by Hydra itself; each is checked here
+        module, extra = PLUGINS.get(name, (None, None))
+        if module is not None and importlib.util.find_spec(module.split(".")[0]) and importlib.util.find_spec(module):
+            continue
+        if extra is not None:
+            raise ConfigError(f'{group}={name} needs a plugin that is not installed: pip install "normlab[{extra}]"')
+        if name not in known:
+            raise ConfigError(
+                f"{group}={name} is not a known option: choose one of {', '.join(known)} "
+                '(more with pip install "normlab[joblib]", "normlab[slurm]" or "normlab[optuna]")'
+            )
+
+
+def check_composition(
+    overrides: list[str], config_dirs: list[str], config_module: str, config_name: str | None = None, expand=None
+) -> list:
+    """Compose each job of `overrides` as Hydra will and return the composed configs (hydra node
+    included); turn Hydra's refusal into one line: a key the chosen group option lacks names the
+    options that have it; a `+key` that is already set says to drop the +. What the overrides alone
+    show is check_command_line's.
+
+    `expand(overrides, config_loader)` lists a multirun's jobs (app.sweep_jobs); where it cannot (a
+    search sweeper's interval), the overrides' fixed part is composed. None: one job, `overrides`.
+    """
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    composed = []
+    try:
+        loader = _loader(config_module, config_dirs)
+        groups = set(loader.list_groups(""))
+        jobs = [overrides]
+        if expand is not None:
+            try:
+                jobs = expand(overrides, loader)
+            except Exception:  # a sweep only a search sweeper expands: its trials are checked as they start
+                jobs = [[o.input_line for o in _parse(overrides) if not o.is_sweep_override()]]
+        for job in jobs:
+            try:
+                composed.append(loader.load_configuration(config_name or "config", job, run_mode=RunMode.RUN, from_shell=True))
+            except Exception as err:
+                raise ConfigError(_explain(err, job, _parse(job), loader, groups, config_name or "config")) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return composed
+
+
+def _explain(err: Exception, job: list[str], parsed: list, loader, groups: set[str], config_name: str) -> str:
+    """One line for Hydra's refusal `err` of `job`."""
+    from hydra.types import RunMode
+
+    message = str(err)
+    for override in parsed:
+        key, line = override.key_or_group, override.input_line
+        if f"Could not override '{key}'" in message:
+            group, _, leaf = key.partition(".")
+            if key not in schema_keys():
+                return unknown_key_message(key, _value_text(override), extra_keys=tuple(sorted(groups)))
+            if group not in groups:
+                return f"{line}: {key} is not in the composed config; set it with +{line}"
+            rest = [o for o in job if o != line]
+            choices = loader.load_configuration(config_name, rest, run_mode=RunMode.RUN, from_shell=True).hydra.runtime.choices
+            chosen = choices.get(group)
+            having = [f"{group}={o}" for o in loader.get_group_options(group) if _option_has(loader, group, o, leaf)]
+            where = f"choose an option that has it: {', '.join(having)}" if having else f"no {group} option has it"
+            return f"{line}: {group}={chosen} has no key {leaf}; {where}"
+        if f"An item is already at '{key}'" in message:
+            return f"{line}: {key} is already in the config: write {line.lstrip('+')} (without +) to change it"
+    first = next((ln.strip() for ln in message.splitlines() if ln.strip()), type(err).__name__)
+    return f"could not compose the config of `normlab train {' '.join(job)}`: {first}"
+
+
+def _option_has(loader, group: str, option: str, leaf: str) -> bool:
+    """Whether group option `group/option` sets key `leaf` (within its own package)."""
+    try:
+        result = loader.repository.load_config(config_path=f"{group}/{option}")
+    except Exception:  # an option that cannot be loaded holds no key we can show
+        return False
+    if result is None or not OmegaConf.is_config(result.config):
+        return False
+    node = result.config
+    if result.header.get("package") == "_global_":
+        node = node.get(group, {})
+    with open_dict(node):
+        return leaf.split(".")[0] in node

@@ -1,0 +1,155 @@
+"""Bad input to the real `normlab train` command: one `normlab: error:` line naming what is wrong and
+what is allowed, exit code 2, no traceback, nothing trained (issue 17, section 4)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from normlab.config import ConfigError, RunConfig, suggest_key, unknown_key_message
+from normlab.machine import check_output_dir, estimate_memory
+
+TINY = ["model=tiny", "max_steps=1", "eval_batches=1", "batch_size=4", "seq_len=16", "progress=false", "wandb.mode=disabled"]
+
+
+def normlab(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "normlab", *args], cwd=cwd, capture_output=True, text=True, env=dict(os.environ), timeout=300
+    )
+
+
+def assert_one_line(result, *fragments):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("normlab: error: "), result.stderr[-2000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def trained(cwd) -> list:
+    return [p for p in cwd.rglob("metrics.jsonl") if "wandb" not in p.parts] + list(cwd.rglob("summary.json"))
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        # key typos, with the key they meant (Hydra: several lines, exit 1)
+        (["nrom=rms"], ["nrom is not a config key", "did you mean norm=rms?"]),
+        (["lr_rate=1"], ["did you mean lr=1?"]),
+        (["model.dmodel=64"], ["did you mean model.d_model=64?"]),
+        (["experment=norm_grid"], ["did you mean experiment=norm_grid?"]),
+        (["-m", "nrom=rms,layer"], ["did you mean norm="]),
+        # unknown keys added with + (Hydra: accepted silently)
+        (["+nrom=rms"], ["did you mean norm=rms?"]),
+        (["+foo=bar"], ["foo is not a config key", "the top-level keys are: name, norm, placement"]),
+        (["+model.zzz=1"], ["the keys under model are: d_model, n_head"]),
+        (["+lr=1e-3"], ["lr is already in the config", "write lr=1e-3 (without +)"]),
+        # a key the chosen group option does not have
+        (["data.files=[a.txt]"], ["data=stdlib has no key files", "data=text"]),
+        (["+data.files=[a.txt]"], ["data.files is set, but data=stdlib does not read it", "add data=text"]),
+        (["norm=rms", "norm.momentum=0.5"], ["norm=rms has no key momentum", "norm=batch"]),
+        (["tokenizer.name=gpt2"], ["tokenizer=byte has no key name", "tokenizer=hf"]),
+        # the command line's shape
+        (["lr=1e-3,3e-3"], ["lr=1e-3,3e-3 is a sweep", "add -m"]),
+        (["norm=rms,layer"], ["is a sweep", "add -m"]),
+        (["lr=[1e-3"], ["not an override normlab can read", "key=value"]),
+        (["--config-dir", "no/such/dir"], ["--config-dir=no/such/dir: no such directory"]),
+        (["--config-name", "nope"], ["--config-name=nope: no such config", "config"]),
+        (["lr=1e-3", "-m", "norm=rms,layer"], ["unrecognized arguments", "put -m and other options before the overrides"]),
+        (["-m", "hydra/launcher=joblib", "lr=1e-3,3e-3"], ['pip install "normlab[joblib]"']),
+        (["-m", "hydra/sweeper=lr_search"], ['pip install "normlab[optuna]"']),
+        (["-m", "hydra/launcher=nope", "lr=1e-3"], ["hydra/launcher=nope is not a known option", "basic"]),
+        # values normlab did not check
+        (["seed=-1"], ["seed=-1", "between 0 and 2**32-1"]),
+        (["seed=4294967296"], ["seed=4294967296"]),
+        (["optim.betas=[0.9]"], ["optim.betas=[0.9]", "two numbers in [0, 1)"]),
+        (["optim.betas=[0.9,1.0]"], ["two numbers in [0, 1)"]),
+        (["optim.eps=-1e-8"], ["optim.eps=", "must be >= 0"]),
+        (["optim.grad_clip=nan"], ["optim.grad_clip=nan", "finite"]),
+        (["diverge_factor=nan"], ["diverge_factor=nan", "finite"]),
+        (["optim.weight_decay=nan"], ["optim.weight_decay=nan", "finite"]),
+        (["lr=inf"], ["lr=inf"]),
+        (["model.vocab_size=100"], ["model.vocab_size=100 is smaller than the tokenizer's vocabulary (256 ids"]),
+        (["tokenizer=bpe", "tokenizer.vocab_size=1000", "model.vocab_size=512"], ["(1000 ids, tokenizer=bpe)"]),
+        (["wandb.project=team/normlab"], ["wandb.project='team/normlab'", "none of / \\ # ? % :"]),
+        (["wandb.project=" + "p" * 129], ["1 to 128 characters"]),
+        (["wandb.tags=[" + "t" * 65 + "]"], ["a wandb tag is a string of 1 to 64 characters"]),
+        # what only this machine can refuse
+        (["depth=1000000"], ["needs about", "GiB", "of physical memory on this machine", "lower depth"]),
+        (["hydra.run.dir=a_file"], ["a_file is a file, not a directory"]),
+        (["hydra.run.dir=a_file/run"], ["a_file is a file, not a directory"]),
+        (["hydra.run.dir=/proc/normlab-run"], ["cannot create the run dir there"]),
+        (["hydra.run.dir=" + "r" * 300], ["hydra.run.dir=", "too long"]),
+        (["-m", "hydra.sweep.dir=a_file", "lr=1e-3,3e-3"], ["hydra.sweep.dir=a_file", "not a directory"]),
+    ],
+)
+def test_bad_input_gives_one_line_and_trains_nothing(tmp_path, overrides, fragments):
+    (tmp_path / "a_file").write_text("not a dir")
+    result = normlab("train", *overrides, *TINY, cwd=tmp_path)
+    assert_one_line(result, *fragments)
+    assert not trained(tmp_path)
+
+
+@pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import torch; assert not torch.cuda.is_available()"]).returncode != 0,
+    reason="this machine has CUDA",
+)
+def test_cuda_without_cuda_is_one_line(tmp_path):
+    assert_one_line(normlab("train", "device=cuda", *TINY, cwd=tmp_path), "device=cuda", "no CUDA device", "device=cpu")
+
+
+def test_a_huge_model_is_refused_before_it_allocates(tmp_path):
+    start = time.monotonic()
+    line = assert_one_line(normlab("train", "depth=1000000", cwd=tmp_path), "needs about")
+    # Allocating it took a minute and ended in a 200-line MemoryError; refusing it is start-up only.
+    assert time.monotonic() - start < 60, line
+
+
+def test_the_memory_estimate_counts_parameters_adamw_state_and_activations():
+    cfg = RunConfig.from_dict({"depth": 2, "model": {"d_model": 32, "context": 64, "vocab_size": 256}, "seq_len": 16, "batch_size": 4})
+    estimate = estimate_memory(cfg)
+    # (256 + 64)·32 embedding rows, and per block 4·32² attention + 2·4·32² MLP weights
+    assert estimate.params == 320 * 32 + 2 * 12 * 32 * 32
+    assert estimate.persistent == 16 * estimate.params
+    # 4·16 tokens × (2 blocks × (8 + 8)·32 values + 2·256 logits) × 4 bytes
+    assert estimate.activations == 64 * (2 * 16 * 32 + 512) * 4
+    deeper = RunConfig.from_dict({"depth": 4, "model": {"d_model": 32, "context": 64, "vocab_size": 256}, "seq_len": 16, "batch_size": 4})
+    assert estimate_memory(deeper).total > estimate.total
+
+
+def test_the_run_dir_check_creates_nothing(tmp_path):
+    check_output_dir(str(tmp_path / "a" / "b"), "hydra.run.dir")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match="the run dir must be a path"):
+        check_output_dir("", "hydra.run.dir")
+
+
+def test_typo_suggestions_come_from_the_schema():
+    assert suggest_key("nrom") == "norm"
+    assert suggest_key("model.dmodel") == "model.d_model"
+    assert suggest_key("optim.weightdecay") == "optim.weight_decay"
+    assert suggest_key("lr_rate") == "lr"
+    assert suggest_key("model.zzz") is None  # never the parent that lacks it
+    assert suggest_key("xyzzy") is None
+    assert unknown_key_message("nrom", "rms") == "nrom=rms: nrom is not a config key; did you mean norm=rms?"
+
+
+def test_saved_configs_with_an_unknown_key_still_load_without_validation():
+    # sample and compare read old config.json files: a key since removed must not stop them
+    assert RunConfig.from_dict({"depth": 3, "removed_key": 1}, validate=False).depth == 3
+    with pytest.raises(ConfigError, match="removed_key is not a config key"):
+        RunConfig.from_dict({"depth": 3, "removed_key": 1})
+
+
+def test_hydras_own_keys_and_groups_and_presets_are_not_refused():
+    from normlab.app import CONFIG_MODULE
+    from normlab.overrides import check_command_line, check_composition
+
+    line = ["hydra/job_logging=disabled", "hydra.job.chdir=false", "experiment=norm_grid", "norm=rms", "norm.eps=1e-6"]
+    check_command_line(line, [], True, CONFIG_MODULE)
+    [cfg] = check_composition(line, [], CONFIG_MODULE)
+    assert cfg.norm.eps == 1e-6 and list(cfg.hydra.sweeper.params) == ["norm", "placement"]

@@ -294,8 +294,9 @@ def _task(cfg: DictConfig) -> float:
         distributed.check_batch_split(run_cfg)
     except ConfigError as err:
         return _stop(err)
+    run_cfg.wandb.overrides = list(hc.overrides.task)
     if multirun and run_cfg.wandb.group is None:
-        run_cfg.wandb.group = Path(hc.sweep.dir).name
+        run_cfg.wandb.group = sweep_group(hc)
 
     from .checkpoint import CheckpointError
     from .data import DataError
@@ -321,6 +322,24 @@ def _task(cfg: DictConfig) -> float:
             sys.exit(1)
         return math.nan  # one failed arm must not end the sweep
     return summary["final_val_loss"]
+
+
+def sweep_group(hc) -> str:
+    """A sweep's readable name, its jobs' wandb group: the experiment preset, else the swept keys, then the
+    sweep dir's time stamp and id, e.g. 'norm+placement_2026-11-22_14-05-40_a81b2e'."""
+    stamp = Path(hc.sweep.dir).name
+    preset = hc.runtime.choices.get("experiment")
+    if preset:
+        return f"{preset}_{stamp}"
+    swept = list((hc.sweeper.get("params") or {}).keys())
+    launched = Path(hc.sweep.dir) / "multirun.yaml"  # the sweep's own command line, as Hydra saved it
+    if launched.exists():
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        task = OmegaConf.load(launched).hydra.overrides.task
+        swept += [o.get_key_element() for o in OverridesParser.create().parse_overrides(list(task))
+                  if o.is_sweep_override()]
+    return "+".join(dict.fromkeys(swept) or ["sweep"]) + f"_{stamp}"
 
 
 def _hydra_main() -> None:

@@ -212,7 +212,14 @@ def run_train(argv: list[str]) -> int:
     """`normlab train ARGS`: run Hydra with ARGS; returns the process exit code."""
     from hydra._internal.utils import get_args_parser
 
+    if "--version" in argv:  # Hydra's own --version would print Hydra's
+        from . import __version__
+
+        print(f"normlab {__version__}")
+        return 0
     args = get_args_parser().parse_args(argv)
+    if args.shell_completion:
+        return _shell_completion(argv)
     if args.help or args.hydra_help:
         # Help needs Hydra alone: importing torch (through distributed) would cost seconds.
         sys.argv = ["normlab train", *argv]
@@ -244,6 +251,27 @@ def run_train(argv: list[str]) -> int:
         _hydra_main()
     finally:
         distributed.shutdown()
+    return 0
+
+
+COMMANDS = ("train", "compare", "sample")
+
+
+def _shell_completion(argv: list[str]) -> int:
+    """`normlab train -sc install=bash` (or `normlab -sc ...`): Hydra's completion, installed for the
+    `normlab` command. The shell then asks `normlab -sc query=bash` with its line, 'normlab train
+    norm=r': Hydra completes the line after 'train'; on the command's own word it offers the commands."""
+    line = os.environ.get("COMP_LINE")
+    if line is not None:
+        words = line.split()
+        if len(words) < 2 or (len(words) == 2 and not line.endswith(" ")):
+            print(" ".join(COMMANDS))
+            return 0
+        if words[1] != "train":
+            return 0  # compare and sample take paths: the shell's own file completion applies
+        os.environ["COMP_LINE"] = line.replace(" train", "", 1)
+    sys.argv = ["normlab", *argv]
+    _hydra_main()
     return 0
 
 
@@ -300,12 +328,13 @@ def _task(cfg: DictConfig) -> float:
 
     from .checkpoint import CheckpointError
     from .data import DataError
+    from .sinks import WandbUnavailable
     from .train import run_name, train
 
     try:
         with preempt.watch() as previous_handlers:
             summary = train(run_cfg, hc.runtime.output_dir)
-    except (DataError, CheckpointError, ConfigError) as err:  # bad input, like a bad config value: one line, not a traceback
+    except (DataError, CheckpointError, ConfigError, WandbUnavailable) as err:  # bad input, like a bad config value: one line, not a traceback
         return _stop(err)
     except preempt.Preempted as stop:
         log.warning("%s: %s; resume=auto in this run dir continues it", run_name(run_cfg), stop)

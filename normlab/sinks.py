@@ -209,18 +209,19 @@ class WandbSink(Sink):
         self._wandb = wandb
         self._layers = wandb_cfg.layers
         user = user_wandb_settings()
+        given = user.model_fields_set
         kwargs = dict(
-            id=None if "run_id" in user.model_fields_set else run_id,
-            resume=None if "resume" in user.model_fields_set or history is None else "allow",
-            project=wandb_cfg.project or (None if "project" in user.model_fields_set else "normlab"),
-            entity=wandb_cfg.entity,
+            id=user.run_id if "run_id" in given else run_id,
+            resume=user.resume if "resume" in given else None if history is None else "allow",
+            project=wandb_cfg.project or (user.project if "project" in given else "normlab"),
+            entity=wandb_cfg.entity or (user.entity if "entity" in given else None),
             group=wandb_cfg.group,
             job_type="train",
             name=name,
             tags=sorted(set(tags) | set(wandb_cfg.tags)),
             config=config,
             dir=str(run_dir.path),
-            mode=wandb_cfg.mode or (None if "mode" in user.model_fields_set else "offline"),
+            mode=wandb_cfg.mode or (user.mode if "mode" in given else "offline"),
             reinit="create_new",
             settings=wandb.Settings(silent=True, console="off", init_timeout=wandb_cfg.init_timeout,
                                     login_timeout=wandb_cfg.init_timeout),
@@ -247,6 +248,8 @@ class WandbSink(Sink):
             )
         log.warning("wandb could not start an online run (%s): recording offline under %s/wandb; "
                     "`wandb sync` uploads it later", reason, kwargs["dir"])
+        # wandb's service still holds the failed run's id; a fresh service lets the offline run keep it.
+        self._wandb.teardown()
         return self._wandb.init(**{**kwargs, "mode": "offline"})
 
     def _define_metrics(self) -> None:
@@ -298,7 +301,9 @@ def user_wandb_settings():
     WANDB_* environment variables. `model_fields_set` names the ones that were set."""
     import wandb
 
-    settings = wandb.Settings(silent=True)
+    # Where `wandb offline` writes, as wandb.setup finds it.
+    config_dir = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb").expanduser()
+    settings = wandb.Settings(silent=True, settings_system=str(config_dir / "settings"))
     settings.update_from_system_settings()
     settings.update_from_env_vars(dict(os.environ))
     return settings

@@ -24,6 +24,7 @@ from . import keys
 
 log = logging.getLogger("normlab")
 
+
 class Sink:
     """A destination for a run's records; every method does nothing unless a sink overrides it."""
 
@@ -238,7 +239,7 @@ class WandbSink(Sink):
         try:
             return self._wandb.init(**kwargs)
         except self._wandb.errors.Error as err:  # UsageError: no API key; CommError: no network, timed out
-            if kwargs["mode"] == "offline":
+            if kwargs["mode"] in ("offline", "dryrun"):  # nothing to reach: a fault of its own
                 raise
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if on_unreachable == "stop":

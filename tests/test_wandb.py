@@ -196,3 +196,30 @@ def test_no_api_key_with_on_unreachable_stop_stops_before_training(tmp_path, mon
     assert "\n" not in str(err.value) and "wandb.on_unreachable=offline" in str(err.value)
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["status"] == "failed" and (tmp_path / "config.json").exists()
+
+
+def test_through_the_command_no_api_key_is_one_warning_or_one_error_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") or k == "WANDB_SILENT"}
+    env.update(WANDB_MODE="online", WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), NETRC=str(tmp_path / "no-netrc"))
+    tiny = ["model=tiny", "max_steps=2", "eval_every=1", "eval_batches=1", "batch_size=4", "seq_len=16", "progress=false"]
+
+    def normlab(*args):
+        return subprocess.run([sys.executable, "-m", "normlab", "train", *tiny, *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    stopped = normlab("wandb.on_unreachable=stop", "hydra.run.dir=stopped")
+    assert stopped.returncode == 2 and "Traceback" not in stopped.stdout + stopped.stderr
+    [line] = stopped.stderr.strip().splitlines()
+    assert line.startswith("normlab: error: wandb could not start an online run (No API key")
+    assert json.loads((tmp_path / "stopped" / "summary.json").read_text())["status"] == "failed"
+
+    offline = normlab("hydra.run.dir=offline")
+    assert offline.returncode == 0, offline.stderr[-2000:]
+    warnings = [line for line in offline.stdout.splitlines() if "[WARNING]" in line]
+    assert len(warnings) == 1 and "recording offline" in warnings[0]
+    assert json.loads((tmp_path / "offline" / "summary.json").read_text())["status"] == "completed"
+    assert OfflineRun(tmp_path / "offline").run.run_id

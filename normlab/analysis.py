@@ -27,6 +27,11 @@ METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 HYDRA_CONFIG = Path(".hydra") / "config.yaml"  # read only in run dirs without config.json
 
+# What compare ranks runs by: validation loss in nats per token, or in bits per byte when the runs'
+# tokenizers differ (nats per token of different tokenizers are not comparable; bits per byte are).
+MEASURES = {"val_loss": "val loss", "val_bpb": "val bits/byte"}
+BYTE_TOKENIZER = "bytes-v1"  # the identity of runs that record no tokenizer: before tokenizers, normlab read bytes
+
 # Summary keys, and the config keys they fall back to.
 SUMMARY_TO_CONFIG = {"norm": "norm.name", "placement": "placement", "depth": "depth", "lr": "lr", "seed": "seed"}
 # Config keys that may differ inside one arm: lr is the sweep's axis, seed makes replicates, and the
@@ -62,6 +67,7 @@ class Run:
     settings: dict[str, Any]
     rows: list[dict[str, Any]]
     bad_lines: int = 0  # metrics.jsonl lines that were not readable rows (a run killed mid-write, a damaged file)
+    measure: str = "val_loss"  # the validation measure its losses below are in (a key of MEASURES)
 
     @property
     def norm(self) -> str:
@@ -105,17 +111,22 @@ class Run:
         return "completed" if math.isfinite(self.final_val_loss) else "running"
 
     @property
+    def tokenizer(self) -> str:
+        return str(self.summary.get("tokenizer") or BYTE_TOKENIZER)
+
+    @property
     def final_val_loss(self) -> float:
-        if "final_val_loss" in self.summary:
-            return keys.to_float(self.summary["final_val_loss"])
-        steps, values = self.curve("val_loss")
+        """The last validation loss, in the run's `measure` (as are best_val_loss, init_loss, outcome_loss)."""
+        if f"final_{self.measure}" in self.summary:
+            return keys.to_float(self.summary[f"final_{self.measure}"])
+        steps, values = self.curve(self.measure)
         return values[-1] if steps else math.nan
 
     @property
     def best_val_loss(self) -> float:
-        if "best_val_loss" in self.summary:
-            return keys.to_float(self.summary["best_val_loss"])
-        _, values = self.curve("val_loss")
+        if f"best_{self.measure}" in self.summary:
+            return keys.to_float(self.summary[f"best_{self.measure}"])
+        _, values = self.curve(self.measure)
         return min(values, default=math.nan)
 
     @property
@@ -126,8 +137,8 @@ class Run:
     def init_loss(self) -> float:
         """ℓ₀: the validation loss at initialization (step 0), NaN if step 0 was not evaluated."""
         for row in self.rows:
-            if row.get("step") == 0 and "val_loss" in row:
-                return keys.to_float(row["val_loss"])
+            if row.get("step") == 0 and self.measure in row:
+                return keys.to_float(row[self.measure])
         return math.nan
 
     @property
@@ -461,6 +472,7 @@ class Comparison:
     arm_of: dict[Path, Arm]
     root: Path  # common ancestor of the run dirs; run dirs are shown relative to it
     notes: list[str] = field(default_factory=list)
+    measure: str = "val_loss"  # what every loss of the comparison is in (see comparison_measure)
 
     def run_label(self, run: Run) -> str:
         rel = os.path.relpath(run.path, self.root)
@@ -477,6 +489,9 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
             notes.append(f"skipped {err}")
     if not runs:
         raise CompareError(f"no readable runs: {notes[0].removeprefix('skipped ')}" if notes else "no runs")
+    measure = comparison_measure(runs)
+    for run in runs:
+        run.measure = measure
     keys = arm_keys(runs)
     arm_by_path = {run.path: arm_of(run, keys) for run in runs}
     grouped: dict[Arm, list[Run]] = {}
@@ -490,4 +505,9 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
             notes.append(f"{run.path.name} has status {run.status!r} (killed or still running): left out of the LR sensitivity")
         if run.bad_lines:
             notes.append(f"{run.path.name}: {run.bad_lines} line(s) of {METRICS} were not readable rows (torn, not UTF-8 JSON, or of the wrong types) and were ignored")
-    return Comparison(runs=ordered, arms=arms, arm_of=arm_by_path, root=root, notes=notes)
+    return Comparison(runs=ordered, arms=arms, arm_of=arm_by_path, root=root, notes=notes, measure=measure)
+
+
+def comparison_measure(runs: list[Run]) -> str:
+    """val_bpb when the runs' tokenizers differ (their losses per token are not comparable), else val_loss."""
+    return "val_bpb" if len({run.tokenizer for run in runs}) > 1 else "val_loss"

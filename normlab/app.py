@@ -283,9 +283,16 @@ def run_train(argv: list[str]) -> int:
     from hydra._internal.utils import get_args_parser
 
     argv = [_experiment_override(arg) for arg in argv]
+    if "--version" in argv:  # Hydra's own --version would print Hydra's
+        from . import __version__
+
+        print(f"normlab {__version__}")
+        return 0
     parser = get_args_parser()
     parser.error = _refuse_arguments
     args = parser.parse_args(argv)
+    if args.shell_completion:
+        return _shell_completion(argv)
     if args.help or args.hydra_help:
         # Help needs Hydra alone: importing torch (through distributed) would cost seconds.
         sys.argv = ["normlab train", *argv]
@@ -340,6 +347,27 @@ def _refuse_arguments(message: str) -> None:
 def _on_cluster(overrides: list[str]) -> bool:
     """Whether the jobs run elsewhere, through a SLURM launcher: this machine's device and memory are not theirs."""
     return any(o.startswith("hydra/launcher=") and "slurm" in o for o in overrides)
+
+
+COMMANDS = ("train", "compare", "sample")
+
+
+def _shell_completion(argv: list[str]) -> int:
+    """`normlab train -sc install=bash` (or `normlab -sc ...`): Hydra's completion, installed for the
+    `normlab` command. The shell then asks `normlab -sc query=bash` with its line, 'normlab train
+    norm=r': Hydra completes the line after 'train'; on the command's own word it offers the commands."""
+    line = os.environ.get("COMP_LINE")
+    if line is not None:
+        words = line.split()
+        if len(words) < 2 or (len(words) == 2 and not line.endswith(" ")):
+            print(" ".join(COMMANDS))
+            return 0
+        if words[1] != "train":
+            return 0  # compare and sample take paths: the shell's own file completion applies
+        os.environ["COMP_LINE"] = line.replace(" train", "", 1)
+    sys.argv = ["normlab", *argv]
+    _hydra_main()
+    return 0
 
 
 def _slurm_preflight(overrides: list[str], config_dirs: list[str]) -> str | None:
@@ -404,17 +432,19 @@ def _task(cfg: DictConfig) -> float:
         distributed.check_batch_split(run_cfg)
     except ConfigError as err:
         return _stop(err)
+    run_cfg.wandb.overrides = list(hc.overrides.task)
     if multirun and run_cfg.wandb.group is None:
-        run_cfg.wandb.group = Path(hc.sweep.dir).name
+        run_cfg.wandb.group = sweep_group(hc)
 
     from .checkpoint import CheckpointError
     from .data import DataError
+    from .sinks import WandbUnavailable
     from .train import run_name, train
 
     try:
         with preempt.watch() as previous_handlers:
             summary = train(run_cfg, hc.runtime.output_dir)
-    except (DataError, CheckpointError, ConfigError) as err:  # bad input, like a bad config value: one line, not a traceback
+    except (DataError, CheckpointError, ConfigError, WandbUnavailable) as err:  # bad input, like a bad config value: one line, not a traceback
         return _stop(err)
     except preempt.Preempted as stop:
         log.warning("%s: %s; resume=auto in this run dir continues it", run_name(run_cfg), stop)
@@ -431,6 +461,24 @@ def _task(cfg: DictConfig) -> float:
             sys.exit(1)
         return math.nan  # one failed arm must not end the sweep
     return summary["final_val_loss"]
+
+
+def sweep_group(hc) -> str:
+    """A sweep's readable name, its jobs' wandb group: the experiment preset, else the swept keys, then the
+    sweep dir's time stamp and id, e.g. 'norm+placement_2026-11-22_14-05-40_a81b2e'."""
+    stamp = Path(hc.sweep.dir).name
+    preset = hc.runtime.choices.get("experiment")
+    if preset:
+        return f"{preset}_{stamp}"
+    swept = list((hc.sweeper.get("params") or {}).keys())
+    launched = Path(hc.sweep.dir) / "multirun.yaml"  # the sweep's own command line, as Hydra saved it
+    if launched.exists():
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        task = OmegaConf.load(launched).hydra.overrides.task
+        swept += [o.get_key_element() for o in OverridesParser.create().parse_overrides(list(task))
+                  if o.is_sweep_override()]
+    return "+".join(dict.fromkeys(swept) or ["sweep"]) + f"_{stamp}"
 
 
 def _hydra_main() -> None:

@@ -19,8 +19,10 @@ one class here (or anywhere), passed to train(); the loop does not change.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import signal
+import sys
 import time
 from typing import Any, Sequence
 
@@ -32,6 +34,8 @@ from .preempt import Preempted, requested
 from .sinks import Sink
 from .state import TrainState
 from .telemetry import Probe
+
+log = logging.getLogger("normlab")  # Hydra's job logging writes it to the terminal and the run dir's normlab.log
 
 # Under DDP, asking every rank whether any was signalled is a collective (a host sync): ask every
 # this many steps, at checkpoint steps and at the last step. A preempted DDP run so stops up to this
@@ -245,6 +249,60 @@ class ProgressBar(Callback):
 
     def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
         self.bar.close()
+
+
+class ProgressLog(Callback):
+    """The progress bar's stand-in when output is not a terminal (a batch job's log): a line at the first
+    logged step past each tenth of the run, with the step, loss, val loss when evaluated, lr and throughput."""
+
+    name = "progress"
+
+    def __init__(self, total: int, desc: str, lines: int = 10):
+        self.total, self.desc = total, desc
+        self.every = max(1, total // lines)
+        self._next = 0
+
+    def on_train_start(self, state: TrainState) -> None:
+        self._next = state.step
+
+    def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None:
+        if record is None or record["step"] < self._next:
+            return
+        val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+        log.info("%s: step %d/%d loss %.4f%s lr %.2e %.0f tokens/s", self.desc, record["step"], self.total,
+                 record["loss"], val, record["lr"], record["tokens_per_s"])
+        self._next = (record["step"] // self.every + 1) * self.every
+
+
+def progress(total: int, desc: str) -> Callback:
+    """A tqdm bar when stderr is a terminal, else periodic log lines (ProgressLog)."""
+    return ProgressBar(total, desc) if sys.stderr.isatty() else ProgressLog(total, desc)
+
+
+class RunReport(Callback):
+    """Says what the run does, on the `normlab` logger: at the start one line with the run's name, device,
+    precision, parameter count and run dir; at the end one with its status, final and best validation loss
+    (nats per token and bits per byte), throughput and wall time."""
+
+    name = "run_report"
+
+    def __init__(self, desc: str, precision: str, run_dir: str):
+        self.desc, self.precision, self.run_dir = desc, precision, run_dir
+        self._started = time.monotonic()
+
+    def on_train_start(self, state: TrainState) -> None:
+        self._started = time.monotonic()
+        first = next(state.model.parameters())
+        n_params = sum(p.numel() for p in state.model.parameters())
+        resumed = f", resuming at step {state.step}" if state.step else ""
+        log.info("%s: %s, %s, %s parameters%s, run dir %s", self.desc, first.device, self.precision,
+                 f"{n_params:,}", resumed, self.run_dir)
+
+    def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
+        log.info("%s %s: final val loss %.4f (%.4f bits/byte), best %.4f (%.4f bits/byte), %.0f tokens/s, "
+                 "wall time %.1f s", self.desc, summary["status"], summary["final_val_loss"],
+                 summary["final_val_bpb"], summary["best_val_loss"], summary["best_val_bpb"],
+                 summary.get("tokens_per_s", math.nan), time.monotonic() - self._started)
 
 
 class Checkpointing(Callback):

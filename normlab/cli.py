@@ -10,6 +10,9 @@ import sys
 
 USAGE = """usage: normlab <command> [args]
 
+options:
+  --version  print normlab's version
+
 commands:
   train     train one model, or a sweep with -m (Hydra overrides: norm=rms placement=pre lr=1e-3)
             `normlab train --help` lists the config groups and their options
@@ -32,7 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
         return 0
+    if argv[0] in ("--version", "-V"):
+        from . import __version__
+
+        print(f"normlab {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
+    if command in ("-sc", "--shell-completion"):  # what the installed tab completion asks
+        from .app import run_train
+
+        return run_train(argv)
     if command == "train":
         from .app import run_train
 

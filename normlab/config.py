@@ -27,6 +27,7 @@ BYTE_VOCAB = 256  # the byte tokenizer's ids
 WANDB_PROJECT_MAX = 128  # wandb's limits on a project name and on each tag
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 WANDB_TAG_MAX = 64
+WANDB_UNREACHABLE = ("offline", "stop")
 RESUME_CHOICES = "choose null (start fresh), auto (the newest checkpoint in the run dir, if any) or a checkpoint path"
 
 
@@ -202,11 +203,19 @@ class OptimConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"
-    project: str = "normlab"
-    entity: str | None = None
-    group: str | None = None
+    """The wandb run. A null mode, project or entity leaves the choice to wandb's own settings (WANDB_MODE,
+    WANDB_PROJECT, WANDB_ENTITY, `wandb offline`/`wandb online`) when the user made one; else normlab's
+    default applies: offline, project normlab. A value given here (on the command line) wins over them."""
+
+    mode: str | None = None  # offline | online | disabled | null (wandb's setting, else offline)
+    project: str | None = None  # null: WANDB_PROJECT, else normlab
+    entity: str | None = None  # null: WANDB_ENTITY, else the account's default
+    group: str | None = None  # null: in a multirun, the sweep's name (its preset or swept keys, and its time stamp)
     tags: list = field(default_factory=list)
+    init_timeout: float = 30.0  # seconds an online run may take to reach the server
+    on_unreachable: str = "offline"  # online run that cannot start: offline (warn, record offline, sync later) | stop
+    layers: bool = False  # true: per-layer curves in wandb too; false: run-level scalars and the layer table and heatmaps
+    overrides: list = field(default_factory=list)  # set by `normlab train`: the job's Hydra overrides, for wandb's config
 
 
 @dataclass
@@ -313,7 +322,10 @@ class RunConfig:
         _choice("precision", self.precision, PRECISIONS)
         _choice("device", self.device, DEVICES)
         _choice("data.source", self.data.source, DATA_SOURCES)
-        _choice("wandb.mode", self.wandb.mode, WANDB_MODES)
+        if self.wandb.mode is not None:
+            _choice("wandb.mode", self.wandb.mode, WANDB_MODES)
+        _choice("wandb.on_unreachable", self.wandb.on_unreachable, WANDB_UNREACHABLE)
+        _positive("wandb.init_timeout", self.wandb.init_timeout)
         for sink in self.sinks:
             if not isinstance(sink, str) or sink not in SINKS:
                 raise ConfigError(f"sinks={self.sinks}: unknown sink {sink!r}; choose from {', '.join(SINKS)}")

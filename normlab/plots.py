@@ -69,6 +69,8 @@ def write_plots(comparison: Comparison, out: Path) -> list[Plot]:
     style = Style([result.arm for result in comparison.arms])
     plots = []
     for key, file, label in LOSS_CURVES:
+        if key == "val_loss" and comparison.measure == "val_bpb":  # the runs' tokenizers differ
+            key, label = "val_bpb", "validation bits per byte"
         plots.append(_loss_curves(comparison, style, key, label, out / file))
     plots.append(_loss_vs_lr(comparison, style, out / LOSS_VS_LR))
     for stat, label, _ in keys.LAYER_PROFILES:
@@ -166,7 +168,8 @@ def _loss_vs_lr(comparison: Comparison, style: Style, path: Path) -> Plot:
     handles.append(Line2D([], [], color="0.3", label="diverged/failed (at ℓ₀)", **DIVERGED_MARKER))
     ax.set_xscale("log")
     ax.set_xlabel("peak learning rate")
-    ax.set_ylabel("final validation loss (mean over seeds, ± std)")
+    unit = " (bits per byte)" if comparison.measure == "val_bpb" else ""
+    ax.set_ylabel(f"final validation loss{unit} (mean over seeds, ± std)")
     ax.grid(alpha=0.3, which="both")
     fig.legend(handles=handles, loc="outside right upper", fontsize=9)
     _save(fig, path)

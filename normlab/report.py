@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .analysis import Comparison, mean_std
+from .analysis import MEASURES, Comparison, mean_std
 from .config import NORM_TRAITS, format_lr
 from .plots import Plot
 
@@ -60,7 +60,7 @@ def runs_section(comparison: Comparison) -> list[str]:
             _cell(run.diverged_step),
             f"{tokens_per_s:.0f}" if math.isfinite(tokens_per_s) else MISSING,
         ])  # fmt: skip
-    lines = ["## Runs", "", *_table(RUN_COLUMNS, rows)]
+    lines = ["## Runs", "", *_table(_in_measure(RUN_COLUMNS, comparison), rows)]
     incomplete = [run for run in comparison.runs if run.status == "incomplete"]
     if incomplete:
         lines += ["", "Incomplete runs (no summary.json: killed, or still running):", ""]
@@ -125,7 +125,7 @@ def seeds_section(comparison: Comparison) -> list[str]:
             ])  # fmt: skip
     if not rows:
         return []
-    header = ("arm", "lr", "seeds", "final val loss", "best val loss", "diverged/failed seeds")
+    header = _in_measure(("arm", "lr", "seeds", "final val loss", "best val loss", "diverged/failed seeds"), comparison)
     return [
         "## Seeds",
         "",
@@ -152,6 +152,23 @@ def plots_section(comparison: Comparison, plots: list[Plot]) -> list[str]:
     return lines
 
 
+def _in_measure(header: tuple[str, ...], comparison: Comparison) -> tuple[str, ...]:
+    return tuple(column.replace("val loss", MEASURES[comparison.measure]) for column in header)
+
+
+def measure_note(comparison: Comparison) -> list[str]:
+    """When the runs' tokenizers differ: a paragraph saying the losses are in bits per byte, and why."""
+    if comparison.measure != "val_bpb":
+        return []
+    tokenizers = sorted({run.tokenizer for run in comparison.runs})
+    return [
+        "",
+        f"The runs use different tokenizers ({', '.join(f'`{t}`' for t in tokenizers)}), so their losses per "
+        "token are not comparable: every validation loss below (ℓ, ℓ₀, ℓ*, and the LR sensitivity) is in bits "
+        "per byte of the validation text (`val_bpb`), not nats per token. The training-loss plot stays per token.",
+    ]
+
+
 def write_report(comparison: Comparison, out: Path, plots: list[Plot], sources: list[str]) -> Path:
     """Write `out`/report.md and return its path."""
     n_arms = len(comparison.arms)
@@ -161,6 +178,7 @@ def write_report(comparison: Comparison, out: Path, plots: list[Plot], sources: 
         f"{len(comparison.runs)} runs in {n_arms} arm{'s' if n_arms != 1 else ''}, read from "
         + ", ".join(f"`{s}`" for s in sources)
         + f". Run dirs are shown relative to `{comparison.root}`.",
+        *measure_note(comparison),
         "",
         *runs_section(comparison),
         "",

@@ -41,7 +41,7 @@ from torch import nn
 
 from . import distributed
 from .callbacks import (
-    Callback, Checkpointing, DivergenceGuard, Diverged, ProgressBar, Telemetry, TelemetryProducts, ThroughputClock,
+    Callback, Checkpointing, DivergenceGuard, Diverged, RunReport, Telemetry, TelemetryProducts, ThroughputClock, progress,
 )
 from .checkpoint import Checkpoint, CheckpointError, Checkpointer, resolve_resume, rewind
 from .config import RunConfig
@@ -341,8 +341,10 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
         ThroughputClock(cfg.batch_size * cfg.seq_len, compiled=cfg.compile),
         TelemetryProducts(sinks),
     ]
-    if cfg.progress and distributed.is_main():
-        callbacks.append(ProgressBar(cfg.max_steps, run_name(cfg)))
+    if distributed.is_main():
+        callbacks.append(RunReport(run_name(cfg), resolve_precision(cfg.precision, device), str(checkpointer.run_dir)))
+        if cfg.progress:
+            callbacks.append(progress(cfg.max_steps, run_name(cfg)))
     callbacks += extra
     callbacks.append(Checkpointing(checkpointer, callbacks, cfg.max_steps))
     return callbacks

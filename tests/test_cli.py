@@ -2,6 +2,8 @@
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -53,7 +55,7 @@ def test_the_core_norms_and_placements_train_through_the_real_command(tmp_path):
         assert (d / ".hydra" / "config.yaml").exists()
         assert list((d / "wandb").glob("offline-run-*"))
     assert arms == {(n, p) for n in CORE_NORMS for p in CORE_PLACEMENTS}
-    assert groups == {dirs[0].parent.name}  # the sweep's id is the wandb group
+    assert groups == {f"norm+placement_{dirs[0].parent.name}"}  # the wandb group: the swept keys and the sweep's stamp
 
 
 def test_single_run_dir_and_help(tmp_path):
@@ -134,3 +136,60 @@ def test_help_imports_no_heavy_module(argv, tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_version_prints_normlabs_version(tmp_path):
+    from importlib.metadata import version
+
+    for argv in (["--version"], ["train", "--version"]):
+        result = normlab(*argv, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == f"normlab {version('normlab')}"
+
+
+def _complete(line: str, tmp_path) -> list[str]:
+    """What bash offers for `line` (the cursor at its end) with the completion `normlab train -sc install=bash` installs."""
+    script = normlab("train", "-sc", "install=bash", cwd=tmp_path).stdout
+    words = line.split() + ([""] if line.endswith(" ") else [])
+    bash = (
+        f"{script}\nCOMP_LINE={shlex.quote(line)}; COMP_POINT={len(line)}; COMP_WORDS=({' '.join(map(shlex.quote, words))}); "
+        f"COMP_CWORD={len(words) - 1}; hydra_bash_completion; printf '%s\\n' \"${{COMPREPLY[@]}}\""
+    )
+    bin_dir = str(Path(sys.executable).parent)
+    result = subprocess.run(["bash", "-c", bash], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"]})
+    assert "unknown command" not in result.stderr, result.stderr
+    return result.stdout.split()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("normlab", path=str(Path(sys.executable).parent)) is None,
+                    reason="needs bash and the installed normlab script")
+def test_tab_completion_completes_commands_groups_and_options(tmp_path):
+    assert "complete -o nospace -o default -F hydra_bash_completion normlab" in normlab(
+        "train", "-sc", "install=bash", cwd=tmp_path).stdout
+    assert _complete("normlab tr", tmp_path) == ["train"]
+    assert {"norm=rms", "norm=rms_noweight"} <= set(_complete("normlab train norm=rm", tmp_path))
+    assert "model=tiny" in _complete("normlab train norm=rms model=t", tmp_path)
+    assert "wandb.on_unreachable=" in _complete("normlab train wandb.on", tmp_path)
+
+
+def test_a_run_says_what_it_did_in_its_log_file_and_on_the_terminal(tmp_path):
+    result = normlab("train", "norm=rms", "wandb.mode=disabled", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [d] = run_dirs(tmp_path / "outputs" / "runs")
+    log = (d / "normlab.log").read_text()
+    start = f"rms-pre-d2-lr3e-3-s0: cpu, fp32, "
+    assert start in log and f"parameters, run dir {d.resolve()}" in log and start in result.stdout
+    summary = json.loads((d / "summary.json").read_text())
+    end = f"rms-pre-d2-lr3e-3-s0 completed: final val loss {summary['final_val_loss']:.4f} ({summary['final_val_bpb']:.4f} bits/byte)"
+    assert end in log and end in result.stdout and "tokens/s, wall time" in log
+
+
+def test_off_a_terminal_the_progress_bar_becomes_log_lines(tmp_path):
+    tiny = [a for a in TINY if not a.startswith(("progress", "max_steps", "eval_every"))]
+    result = normlab("train", "wandb.mode=disabled", "progress=true", "max_steps=20", "eval_every=10", "log_every=1", *tiny, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [d] = run_dirs(tmp_path / "outputs" / "runs")
+    lines = [line for line in (d / "normlab.log").read_text().splitlines() if ": step " in line]
+    assert [line.split(": step ")[1].split("/")[0] for line in lines] == [str(s) for s in range(0, 20, 2)]
+    assert "val_loss" in lines[0] and "val_loss" in lines[5] and "it/s" not in result.stderr

@@ -564,3 +564,40 @@ def test_a_report_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, 
     assert err.count("\n") == 1 and err.startswith(f"normlab: error: --out {out}: cannot write the report there: "), err
     assert "choose another with --out DIR" in err
     assert (tmp_path / "a_file").read_text() == "keep me"
+
+
+def _with_tokenizer(path: Path, tokenizer: str, bits_per_nat: float) -> Path:
+    """Give a run written by write_run a tokenizer, and val_bpb = val_loss × bits_per_nat in its rows and summary."""
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").open()]
+    for row in rows:
+        if "val_loss" in row:
+            row["val_bpb"] = row["val_loss"] * bits_per_nat
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = json.loads((path / "summary.json").read_text())
+    summary.update(tokenizer=tokenizer, final_val_bpb=summary["final_val_loss"] * bits_per_nat,
+                   best_val_bpb=summary["best_val_loss"] * bits_per_nat)
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def test_compare_uses_bits_per_byte_when_the_runs_tokenizers_differ(tmp_path):
+    # Per token the BPE run looks better (2.0 < 3.0); per byte the byte-level run is (3.0 × 0.5 < 2.0 × 1.2).
+    _with_tokenizer(write_run(tmp_path / "s" / "byte", final=3.0, extra_config={"tokenizer.kind": "byte"}), "bytes-v1", 0.5)
+    _with_tokenizer(write_run(tmp_path / "s" / "bpe", final=2.0, extra_config={"tokenizer.kind": "bpe"}), "bpe-4096-ab12", 1.2)
+    comparison = build_comparison(find_run_dirs([tmp_path / "s"]))
+    assert comparison.measure == "val_bpb"
+    report = (compare([str(tmp_path / "s")], tmp_path / "report") / "report.md").read_text()
+    assert "`bpe-4096-ab12`, `bytes-v1`" in report and "bits per byte" in report
+    finals = {row["run"]: row["final val bits/byte"] for row in table(report, "Runs")}
+    assert finals == {"byte": fmt(1.5), "bpe": fmt(2.4)}
+    sensitivity = {row["arm"]: row["ℓ* (best)"] for row in table(report, "LR sensitivity")}
+    assert sorted(sensitivity.values()) == [fmt(1.5), fmt(2.4)]
+
+
+def test_compare_stays_in_nats_per_token_when_the_runs_share_a_tokenizer(tmp_path):
+    _with_tokenizer(write_run(tmp_path / "s" / "a", final=3.0), "bpe-4096-ab12", 1.2)
+    _with_tokenizer(write_run(tmp_path / "s" / "b", final=2.0, lr=3e-3), "bpe-4096-ab12", 1.2)
+    assert build_comparison(find_run_dirs([tmp_path / "s"])).measure == "val_loss"
+    report = (compare([str(tmp_path / "s")], tmp_path / "report") / "report.md").read_text()
+    assert {row["run"]: row["final val loss"] for row in table(report, "Runs")} == {"a": fmt(3.0), "b": fmt(2.0)}
+    assert "bits per byte" not in report

@@ -249,13 +249,16 @@ class Checkpoint:
                     f"{self.path}: holds no state for the {callback.name} callback "
                     f"(it holds {', '.join(sorted(held)) or 'none'})"
                 )
-        restore_rng(self.payload["rng"])
+        try:
+            restore_rng(self.payload["rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{self.path}: its random generator states do not fit this run: {_missing(err)}") from None
 
     def _load(self, what: str, target: Stateful, state: Any) -> None:
         try:
             target.load_state_dict(state)
-        except (RuntimeError, ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{self.path}: the {what} state does not fit this run: {_first_line(err)}") from None
+        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{self.path}: the {what} state does not fit this run: {_missing(err)}") from None
 
     def _check_module(self, name: str, module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         expected = module.state_dict()
@@ -470,6 +473,13 @@ def rewind_metrics(path: Path, first_step: int) -> list[dict[str, Any]]:
 
 def _may_change(key: str) -> bool:
     return any(key == prefix or key.startswith(prefix + ".") for prefix in MAY_CHANGE_ON_RESUME)
+
+
+def _missing(err: BaseException) -> str:
+    """The error in a few words; a missing key as "it has no 'scaler'" (a checkpoint of an older normlab)."""
+    if isinstance(err, KeyError) and err.args:
+        return f"it has no {err.args[0]!r} (written by an older normlab?)"
+    return _first_line(err)
 
 
 def _first_line(err: BaseException) -> str:

@@ -276,7 +276,7 @@ def _tmpfs(path, size):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    disk = _tmpfs(tmp_path / "disk", "4m")
+    disk = _tmpfs(tmp_path / "disk", "16m")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
 
@@ -289,15 +289,15 @@ class FillDiskAt(Sink):
 
     def log(self, record):
         if record["step"] == self.step:
-            with open(self.folder / "filler", "wb") as fh:
-                try:
-                    while True:
-                        fh.write(bytes(4096))
-                        fh.flush()
-                except OSError:
-                    pass
-            free = shutil.disk_usage(self.folder).free
-            assert free < 4096
+            fd = os.open(self.folder / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                while True:
+                    os.write(fd, bytes(4096))
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            assert shutil.disk_usage(self.folder).free < 4096
 
 
 def test_a_checkpoint_that_cannot_be_written_fails_the_run_and_keeps_the_last(small_disk):

@@ -252,7 +252,8 @@ class Checkpointing(Callback):
     at the end of a completed run), and stops the run with Preempted, after a checkpoint, once a
     preemption signal has arrived (preempt.py). Under DDP all ranks agree on stopping at the same step.
     Until the first step starts, a signal stops start-up at once (preempt.starting); from then on it
-    waits for a step boundary."""
+    waits for a step boundary, the one before an evaluation included (one process only): a signal
+    received while the model is evaluated stops the run before the next training step."""
 
     name = "checkpointing"
 
@@ -261,6 +262,11 @@ class Checkpointing(Callback):
 
     def on_step_start(self, state: TrainState) -> None:
         training_started()
+        if requested() is not None and not distributed.is_active():
+            # Signalled during this step's evaluation: its record is not out yet, so the step's boundary
+            # is still here, and the run resumes by evaluating again.
+            self.checkpointer.save(state, self.callbacks)
+            raise Preempted(requested(), state.step)
 
     def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None:
         # A step boundary: state.step updates are done and every record before it is emitted.

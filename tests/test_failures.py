@@ -447,3 +447,29 @@ def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_pat
     assert {k: v for k, v in snapshot(jobs[1]).items() if not k.startswith(hydras)} == {
         k: v for k, v in ended.items() if not k.startswith(hydras)}
     assert sorted((jobs[1] / "wandb").glob("offline-run-*")) == wandb_runs[jobs[1]]  # no second wandb run
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_signal_during_an_evaluation_stops_before_the_next_step_and_resumes_exactly(tmp_path, monkeypatch):
+    import normlab.train as loop
+
+    whole = train(_disk_cfg(), tmp_path / "whole")
+    evaluate, calls = loop.evaluate, []
+
+    def signalled_evaluate(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the evaluation of step 5
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(*args)
+
+    monkeypatch.setattr(loop, "evaluate", signalled_evaluate)
+    with preempt.watch(), pytest.raises(preempt.Preempted) as stopped:
+        train(_disk_cfg(), tmp_path / "cut")
+    assert stopped.value.step == 5 and [s for s, _ in list_checkpoints(tmp_path / "cut")] == [3, 5]
+    assert rows(tmp_path / "cut")[-1]["step"] == 4  # no training step after the signal
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    resumed = train(_disk_cfg(), tmp_path / "cut")
+    timing = ("tokens_per_s", "wall_time_s", "eval_time_s", "resumed_from_step")
+    assert [{k: v for k, v in r.items() if k not in timing} for r in rows(tmp_path / "cut")] == [
+        {k: v for k, v in r.items() if k not in timing} for r in rows(tmp_path / "whole")]
+    assert resumed["final_val_loss"] == whole["final_val_loss"]

@@ -53,6 +53,9 @@ def claim(overrides: list[str], config_dirs: list[str], config_module: str):
     from .checkpoint import CheckpointError, resolve_resume
     from .sinks import RunDir, RunDirBusy
 
+    if not config_dirs and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in overrides):
+        yield  # the packaged config names each run's dir by its launch time and id: a new dir
+        return
     composed = compose_run(overrides, config_dirs, config_module)
     if composed is None or not composed[1].is_dir():
         yield  # a new run dir: nothing in it to protect

@@ -27,8 +27,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import rundir
-from .sinks import disk_full
 from .config import NORMS, PLACEMENTS, ConfigError, format_lr
+from .sinks import disk_full
 
 log = logging.getLogger("normlab")
 

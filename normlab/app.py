@@ -13,6 +13,7 @@ saved, hands the signal on (to submitit's requeue, when there is one).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
@@ -25,8 +26,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from . import machine, overrides
+from . import machine, overrides, rundir
 from .config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, check_norm_knob, format_lr
+from .sinks import disk_full
 
 log = logging.getLogger("normlab")
 
@@ -302,10 +304,10 @@ def run_train(argv: list[str]) -> int:
     config_dirs = [args.config_dir] if args.config_dir else []
     try:
         overrides.check_command_line(args.overrides, config_dirs, args.multirun, CONFIG_MODULE, args.config_name)
-        extra = precheck(args.overrides, config_dirs, multirun=args.multirun)
-        argv = [*argv, *extra]
+        added = precheck(args.overrides, config_dirs, multirun=args.multirun)
+        argv = [*argv, *added]
         composed = overrides.check_composition(
-            [*args.overrides, *extra], config_dirs, CONFIG_MODULE, args.config_name, sweep_jobs if args.multirun else None
+            [*args.overrides, *added], config_dirs, CONFIG_MODULE, args.config_name, sweep_jobs if args.multirun else None
         )
         check_jobs(args.overrides, config_dirs, args.multirun)
         machine.check_machine(composed, args.multirun, local=not _on_cluster(args.overrides))
@@ -328,7 +330,12 @@ def run_train(argv: list[str]) -> int:
     sys.argv = ["normlab train", *argv]
     _register_launcher()
     try:
-        _hydra_main()
+        # A single run's dir is locked and its resume checked before Hydra writes into it (normlab.rundir).
+        guard = rundir.claim([*args.overrides, *added], config_dirs, CONFIG_MODULE)
+        with guard if not args.multirun and distributed.is_main() else contextlib.nullcontext():
+            _hydra_main()
+    except ConfigError as err:
+        return _fail(err)
     finally:
         distributed.shutdown()
     return 0
@@ -436,30 +443,35 @@ def _task(cfg: DictConfig) -> float:
     if multirun and run_cfg.wandb.group is None:
         run_cfg.wandb.group = sweep_group(hc)
 
-    from .checkpoint import CheckpointError
+    from .checkpoint import CheckpointError, ended_run
     from .data import DataError
-    from .sinks import WandbUnavailable
+    from .sinks import RunDirBusy, WandbUnavailable
     from .train import run_name, train
 
+    name, output_dir = run_name(run_cfg), hc.runtime.output_dir
+    ended = ended_run(run_cfg, output_dir)
+    if ended is not None:  # a re-run sweep: the job is done, and a second wandb run would only confuse its records
+        print(f"normlab: {name} already {ended['status']} in {output_dir}: not trained again "
+              "(overwrite=true trains it afresh)", file=sys.stderr)
+        return rundir.final_loss(ended)
     try:
         with preempt.watch() as previous_handlers:
-            summary = train(run_cfg, hc.runtime.output_dir)
+            summary = train(run_cfg, output_dir)
+    except RunDirBusy as err:
+        return _stop(err) if not multirun else _job_failed(hc, run_cfg, err, recorded=True)
     except (DataError, CheckpointError, ConfigError, WandbUnavailable) as err:  # bad input, like a bad config value: one line, not a traceback
-        return _stop(err)
+        if not multirun:
+            return _stop(err)
+        # train() has recorded a data error; a refused checkpoint left the job's dir as it was until now.
+        return _job_failed(hc, run_cfg, err, recorded=isinstance(err, DataError))
     except preempt.Preempted as stop:
-        log.warning("%s: %s; resume=auto in this run dir continues it", run_name(run_cfg), stop)
-        print(f"normlab: {run_name(run_cfg)} {stop}", file=sys.stderr)
+        log.warning("%s: %s; resume=auto in this run dir continues it", name, stop)
+        print(f"normlab: {name} {stop.status}: {stop}; resume=auto in {output_dir} continues it", file=sys.stderr)
         preempt.chain(stop.signum, previous_handlers)
     except Exception as err:
-        if not multirun:
+        if not multirun and not disk_full(err):
             raise
-        # train() has recorded status=failed and finished wandb; the traceback goes to the job's log file.
-        log.exception("job %s failed", run_name(run_cfg))
-        print(f"normlab: job {hc.job.num} ({run_name(run_cfg)}) failed: {type(err).__name__}: {err}", file=sys.stderr)
-        if run_cfg.fail_fast:
-            # SystemExit passes through Hydra's per-job exception capture, so no further job starts.
-            sys.exit(1)
-        return math.nan  # one failed arm must not end the sweep
+        return _job_failed(hc, run_cfg, err, recorded=True)
     return summary["final_val_loss"]
 
 
@@ -479,6 +491,27 @@ def sweep_group(hc) -> str:
         swept += [o.get_key_element() for o in OverridesParser.create().parse_overrides(list(task))
                   if o.is_sweep_override()]
     return "+".join(dict.fromkeys(swept) or ["sweep"]) + f"_{stamp}"
+
+
+def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:
+    """A job that failed: one line on stderr (and the traceback in the job's log), its summary.json
+    recorded unless `recorded` already; the sweep goes on (NaN for the sweeper) unless fail_fast, and
+    a single run exits 1."""
+    from hydra.types import RunMode
+
+    from .train import run_name
+
+    if not recorded:
+        rundir.record_failure(hc.runtime.output_dir, run_cfg, err)
+    name, multirun = run_name(run_cfg), hc.mode == RunMode.MULTIRUN
+    what = f"the disk is full ({err})" if disk_full(err) else f"{type(err).__name__}: {err}"
+    log.error("job %s failed: %s", name, what, exc_info=not disk_full(err))
+    print(f"normlab: error: job {hc.job.num} ({name}) failed: {what}" if multirun else f"normlab: error: {name} failed: {what}",
+          file=sys.stderr)
+    if not multirun or run_cfg.fail_fast:
+        # SystemExit passes through Hydra's per-job exception capture, so no further job starts.
+        sys.exit(1)
+    return math.nan  # one failed arm must not end the sweep
 
 
 def _hydra_main() -> None:

@@ -30,7 +30,7 @@ import torch
 
 from . import distributed, keys
 from .checkpoint import Checkpointer
-from .preempt import Preempted, requested
+from .preempt import Preempted, requested, training_started
 from .sinks import Sink
 from .state import TrainState
 from .telemetry import Probe
@@ -308,12 +308,23 @@ class RunReport(Callback):
 class Checkpointing(Callback):
     """Saves the train state and every callback's state at step boundaries (every ckpt.every steps and
     at the end of a completed run), and stops the run with Preempted, after a checkpoint, once a
-    preemption signal has arrived (preempt.py). Under DDP all ranks agree on stopping at the same step."""
+    preemption signal has arrived (preempt.py). Under DDP all ranks agree on stopping at the same step.
+    Until the first step starts, a signal stops start-up at once (preempt.starting); from then on it
+    waits for a step boundary, the one before an evaluation included (one process only): a signal
+    received while the model is evaluated stops the run before the next training step."""
 
     name = "checkpointing"
 
     def __init__(self, checkpointer: Checkpointer, callbacks: Sequence[Callback], max_steps: int):
         self.checkpointer, self.callbacks, self.max_steps = checkpointer, callbacks, max_steps
+
+    def on_step_start(self, state: TrainState) -> None:
+        training_started()
+        if requested() is not None and not distributed.is_active():
+            # Signalled during this step's evaluation: its record is not out yet, so the step's boundary
+            # is still here, and the run resumes by evaluating again.
+            self.checkpointer.save(state, self.callbacks)
+            raise Preempted(requested(), state.step)
 
     def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None:
         # A step boundary: state.step updates are done and every record before it is emitted.

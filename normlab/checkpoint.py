@@ -118,12 +118,22 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 
 def write_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """torch.save `payload` to a temporary file beside `path`, flush it to disk, then rename it to `path`."""
+    """torch.save `payload` to a temporary file beside `path`, flush it to disk, then rename it to `path`.
+
+    On failure the temporary file goes and `path` (an earlier checkpoint's file too) is as it was; a
+    write the disk refused raises that OSError (ENOSPC: the disk is full), not torch's own account of it.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as fh:
-            torch.save(payload, fh)
+            writer = _WriteErrors(fh)
+            try:
+                torch.save(payload, writer)
+            except RuntimeError:
+                if writer.error is not None:
+                    raise writer.error from None  # torch reports a refused write as "unexpected pos ..."
+                raise
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -131,6 +141,23 @@ def write_atomic(path: Path, payload: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+class _WriteErrors:
+    """A binary file wrapper that remembers the first OSError its writes raised."""
+
+    def __init__(self, fh):
+        self.fh, self.error = fh, None
+
+    def write(self, data) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -189,18 +216,10 @@ class Checkpoint:
 
     def check_config(self, cfg: RunConfig) -> None:
         """Raise CheckpointError if `cfg` trains differently from the run that wrote this checkpoint."""
-        saved, current = self.payload["config"], flatten_config(cfg)
-        missing = object()
-        differ = [
-            key for key in sorted(set(saved) | set(current))
-            if not _may_change(key) and saved.get(key, missing) != current.get(key, missing)
-        ]
+        differ = config_difference(self.payload["config"], cfg)
         if differ:
-            key = differ[0]
-            more = f" (and {len(differ) - 1} more differences)" if len(differ) > 1 else ""
             raise CheckpointError(
-                f"{self.path}: written by a run with {key}={saved.get(key, '<absent>')!r}, this run has "
-                f"{key}={current.get(key, '<absent>')!r}{more}: resume with the same config, or start afresh in a new run dir"
+                f"{self.path}: written by a run with {differ}: resume with the same config, or start afresh in a new run dir"
             )
 
     def check_corpus(self, sha256: str) -> None:
@@ -230,13 +249,16 @@ class Checkpoint:
                     f"{self.path}: holds no state for the {callback.name} callback "
                     f"(it holds {', '.join(sorted(held)) or 'none'})"
                 )
-        restore_rng(self.payload["rng"])
+        try:
+            restore_rng(self.payload["rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{self.path}: its random generator states do not fit this run: {_missing(err)}") from None
 
     def _load(self, what: str, target: Stateful, state: Any) -> None:
         try:
             target.load_state_dict(state)
-        except (RuntimeError, ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{self.path}: the {what} state does not fit this run: {_first_line(err)}") from None
+        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{self.path}: the {what} state does not fit this run: {_missing(err)}") from None
 
     def _check_module(self, name: str, module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         expected = module.state_dict()
@@ -293,21 +315,82 @@ class Checkpointer:
         return path
 
 
+def config_difference(saved: Mapping[str, Any], cfg: RunConfig) -> str | None:
+    """None if the flattened config `saved` trains as `cfg` does (bookkeeping keys aside), else the first
+    difference in words: "lr=0.003, this run has lr=0.01 (and 2 more differences)"."""
+    current = flatten_config(cfg)
+    missing = object()
+    differ = [
+        key for key in sorted(set(saved) | set(current))
+        if not _may_change(key) and saved.get(key, missing) != current.get(key, missing)
+    ]
+    if not differ:
+        return None
+    key = differ[0]
+    more = f" (and {len(differ) - 1} more differences)" if len(differ) > 1 else ""
+    return f"{key}={saved.get(key, '<absent>')!r}, this run has {key}={current.get(key, '<absent>')!r}{more}"
+
+
+def holds_records(run_dir: str | os.PathLike) -> bool:
+    """Whether `run_dir` holds a run's records (a non-empty metrics.jsonl)."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
+
+
+def check_same_run(cfg: RunConfig, run_dir: str | os.PathLike) -> None:
+    """Raise CheckpointError if `run_dir` holds the records of a run whose config.json trains differently
+    from `cfg` (or that has no readable config.json): starting there would replace them."""
+    run_dir = Path(run_dir)
+    if not holds_records(run_dir):
+        return
+    start_over = "use another run dir, or overwrite=true to start over (its records are deleted)"
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        raise CheckpointError(f"{run_dir} holds the records of a run without a readable config.json: {start_over}") from None
+    differ = config_difference(flatten_config(saved) if isinstance(saved, dict) else {}, cfg)
+    if differ:
+        raise CheckpointError(f"{run_dir} holds the records of another run, with {differ}: {start_over}")
+
+
+# The statuses of a run that has nothing left to train.
+ENDED = ("completed", "diverged")
+
+
+def ended_run(cfg: RunConfig, run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The summary of the run `run_dir` holds if that run ended (completed or diverged) with `cfg`'s config
+    and `cfg` asks for resume=auto: nothing is left to train, so a re-run returns this instead."""
+    run_dir = Path(run_dir)
+    if cfg.resume != "auto" or cfg.overwrite:
+        return None
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("status") not in ENDED or not isinstance(saved, dict):
+        return None
+    return summary if config_difference(flatten_config(saved), cfg) is None else None
+
+
 def resolve_resume(cfg: RunConfig, run_dir: str | os.PathLike) -> Checkpoint | None:
     """The checkpoint this run continues from, per `cfg.resume`, checked against `cfg`; None for a fresh start.
 
+    overwrite=true: a fresh start whatever `run_dir` holds (train() then deletes its records).
     null: a fresh start, refused if `run_dir` already holds metrics (that run would be overwritten).
-    auto: the newest checkpoint in `run_dir`, or a fresh start if it has none.
+    auto: the newest checkpoint in `run_dir`; or a fresh start if it has none, refused if `run_dir`
+    holds the records of a run with another config.
     PATH: that checkpoint file, or the newest checkpoint of that run dir.
     Raises CheckpointError (one line) before any file of the run is touched.
     """
     run_dir = Path(run_dir)
+    if cfg.overwrite:
+        return None
     if cfg.resume is None:
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.exists() and metrics.stat().st_size > 0:
+        if holds_records(run_dir):
             raise CheckpointError(
                 f"{run_dir} already holds a run (metrics.jsonl): resume=null would write a second run over it; "
-                "use resume=auto to continue it, or a new run dir"
+                "use resume=auto to continue it, overwrite=true to start over, or a new run dir"
             )
         return None
     if cfg.resume == "auto":
@@ -315,6 +398,7 @@ def resolve_resume(cfg: RunConfig, run_dir: str | os.PathLike) -> Checkpoint | N
     else:
         path = find_checkpoint(cfg.resume)
     if path is None:
+        check_same_run(cfg, run_dir)
         return None
     checkpoint = Checkpoint.load(path)
     checkpoint.check_config(cfg)
@@ -389,6 +473,13 @@ def rewind_metrics(path: Path, first_step: int) -> list[dict[str, Any]]:
 
 def _may_change(key: str) -> bool:
     return any(key == prefix or key.startswith(prefix + ".") for prefix in MAY_CHANGE_ON_RESUME)
+
+
+def _missing(err: BaseException) -> str:
+    """The error in a few words; a missing key as "it has no 'scaler'" (a checkpoint of an older normlab)."""
+    if isinstance(err, KeyError) and err.args:
+        return f"it has no {err.args[0]!r} (written by an older normlab?)"
+    return _first_line(err)
 
 
 def _first_line(err: BaseException) -> str:

@@ -267,6 +267,7 @@ class RunConfig:
     ckpt: CkptConfig = bookkeeping(default_factory=CkptConfig)
     sinks: list = bookkeeping(default_factory=lambda: ["jsonl", "wandb"])  # where records go (normlab.sinks.SINKS)
     resume: str | None = bookkeeping("auto")  # null: start fresh; auto: newest checkpoint in the run dir, if any; or a path
+    overwrite: bool = bookkeeping(False)  # start over in a run dir that holds a run's records, deleting them
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], validate: bool = True) -> "RunConfig":
@@ -348,6 +349,8 @@ class RunConfig:
         _at_least("ckpt.keep", self.ckpt.keep, 1)
         if self.resume is not None and not self.resume.strip():
             raise ConfigError(f"resume={self.resume!r}: {RESUME_CHOICES}")
+        if self.overwrite and self.resume not in (None, "auto"):
+            raise ConfigError(f"overwrite=true starts the run over, resume={self.resume} continues one: choose one of them")
         for key in ("alpha_attn", "alpha_mlp", "alpha_final"):
             _positive(f"norm.{key}", getattr(self.norm, key))
         if not 0.0 <= self.mix_p <= 1.0:

@@ -10,6 +10,14 @@ launcher's `checkpoint()`, requeue the job and exit; SIGTERM: log and ignore). `
 them, and `chain()` hands the signal on to the handler that was there before normlab's once the
 checkpoint is on disk, so submitit's requeue still happens, just after normlab has saved. Where
 there was no handler, `chain()` exits with code 128 + the signal number, as a shell reports it.
+
+Before the first training step there is nothing to checkpoint, so nothing to wait for: while
+`starting()` is in force, the handler raises `Preempted` at once, wherever start-up is (loading data,
+reading a checkpoint that blocks, opening sinks, the first evaluation), except inside `deferred()`,
+which train() wraps around its changes to the run dir so that none is left halfway.
+
+SIGINT (Ctrl-C) is watched too: it stops the run the same way, at a step boundary after a checkpoint,
+but as `interrupted` (exit code 130), and is never handed on to another handler.
 """
 
 from __future__ import annotations
@@ -20,17 +28,31 @@ import sys
 import threading
 from typing import Any, Iterator
 
-SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT") if hasattr(signal, name))
 
 _requested: int | None = None
+_immediate = False  # start-up: a signal stops the run at once (see starting())
 
 
-class Preempted(Exception):
-    """Training stopped on signal `signum` after saving the checkpoint of step `step`."""
+class Preempted(BaseException):
+    """Training stopped on signal `signum`: after saving the checkpoint of step `step`, or, with `step`
+    None, before the first step (nothing to save). A BaseException, as KeyboardInterrupt is, so that no
+    `except Exception` on the way (a checkpoint reader's, a data loader's) mistakes it for their own error."""
 
-    def __init__(self, signum: int, step: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name} after the checkpoint of step {step}")
+    def __init__(self, signum: int, step: int | None):
+        super().__init__(signum, step)
         self.signum, self.step = signum, step
+
+    @property
+    def status(self) -> str:
+        """The run's status in summary.json: `interrupted` for Ctrl-C (SIGINT), else `preempted`."""
+        return "interrupted" if self.signum == signal.SIGINT else "preempted"
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        if self.step is None:
+            return f"stopped by {name} before the first step"
+        return f"stopped by {name} after the checkpoint of step {self.step}"
 
 
 def request(signum: int) -> None:
@@ -51,8 +73,43 @@ def clear() -> None:
 
 
 def _handler(signum: int, frame: Any) -> None:
-    # Only record: the loop saves at a step boundary, never in the middle of an update.
+    # During training only record: the loop saves at a step boundary, never in the middle of an update.
     request(signum)
+    if _immediate:
+        raise Preempted(signum, None)
+
+
+@contextlib.contextmanager
+def starting() -> Iterator[None]:
+    """Start-up, until `training_started()`: a watched signal raises Preempted at once (one already
+    received raises on entry)."""
+    global _immediate
+    _immediate = True
+    try:
+        if _requested is not None:
+            raise Preempted(_requested, None)
+        yield
+    finally:
+        _immediate = False
+
+
+def training_started() -> None:
+    """The first step begins: from now on a signal is only recorded, and the loop stops at a step boundary."""
+    global _immediate
+    _immediate = False
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within start-up, a section no signal may cut short; a signal received meanwhile raises Preempted at its end."""
+    global _immediate
+    before, _immediate = _immediate, False
+    try:
+        yield
+    finally:
+        _immediate = before
+    if before and _requested is not None:
+        raise Preempted(_requested, None)
 
 
 @contextlib.contextmanager
@@ -80,10 +137,11 @@ def watch() -> Iterator[dict[int, Any]]:
 
 def chain(signum: int, previous: dict[int, Any]) -> None:
     """After the checkpoint is saved: run the handler that `signum` had before normlab's (submitit's
-    requeue), then exit with 128 + signum if that handler returned."""
+    requeue), then exit with 128 + signum if that handler returned. SIGINT is never handed on: its
+    previous handler would only raise KeyboardInterrupt, a traceback for a stop that went as asked."""
     handler = previous.get(signum)
     sys.stdout.flush()
     sys.stderr.flush()
-    if callable(handler):
+    if callable(handler) and signum != signal.SIGINT:
         handler(signum, None)
     sys.exit(128 + signum)

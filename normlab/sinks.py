@@ -10,7 +10,10 @@ here and one row of SINKS.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
+import fcntl
 import io
 import json
 import logging
@@ -18,7 +21,14 @@ import math
 import os
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
+
+RESERVE_NAME = ".summary.reserve"
+RESERVE_BYTES = 256 * 1024  # room kept for summary.json, so a run that fills the disk still records how it ended
+
+
+class RunDirBusy(RuntimeError):
+    """Another process is writing this run dir; the message is one line."""
 
 from . import keys
 
@@ -66,10 +76,30 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write `obj` as JSON to `path` via a temporary file and a rename, so readers never see half a file."""
+    """Write `obj` as JSON to `path` via a temporary file and a rename, so readers never see half a file
+    (and a failed write, a full disk say, leaves no temporary file behind)."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, default=str, allow_nan=False) + "\n").encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary file beside `path` and rename it to `path`; on failure remove the temporary file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether `err` says the disk (or the user's quota) is full."""
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+# The run dirs this process holds locked: path -> [open descriptor, holders]. flock locks belong to an open
+# file, so a second lock of the same dir in this process (the Hydra layer's, then train()'s) reuses the first.
+_HELD: dict[Path, list] = {}
 
 
 class RunDir:
@@ -97,7 +127,47 @@ class RunDir:
         write_json_atomic(self.config_path, config)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        """summary.json, written atomically; the room reserve() kept is given back first, so the summary
+        of a run that filled the disk still fits."""
+        (self.path / RESERVE_NAME).unlink(missing_ok=True)
         write_json_atomic(self.summary_path, {k: _jsonable(v) for k, v in summary.items()})
+
+    def reserve(self) -> None:
+        """Keep RESERVE_BYTES of disk for summary.json (a hidden file that write_summary removes)."""
+        path = self.path / RESERVE_NAME
+        try:
+            with open(path, "wb") as fh:
+                fh.write(bytes(RESERVE_BYTES))
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the run dir's lock (an flock on the directory itself, so no file is added) for the duration;
+        raise RunDirBusy at once if another process holds it. The kernel drops the lock when its process
+        dies, however it dies."""
+        key = self.path.resolve()
+        if key in _HELD:
+            _HELD[key][1] += 1
+        else:
+            fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunDirBusy(
+                    f"{self.path} is in use: another normlab run is writing it; wait for that run to end, or choose another run dir"
+                ) from None
+            _HELD[key] = [fd, 1]
+        try:
+            yield
+        finally:
+            _HELD[key][1] -= 1
+            if _HELD[key][1] == 0:
+                os.close(_HELD.pop(key)[0])  # closing the descriptor releases the lock
 
     def write_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> Path:
         """Write a table as `<name>.csv` in the run dir ('telemetry/layers' -> telemetry/layers.csv); None is an empty cell."""
@@ -114,26 +184,51 @@ class RunDir:
     def _write_atomic(self, relative: str, data: bytes) -> Path:
         path = self.path / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        write_bytes_atomic(path, data)
         return path
 
 
+class AppendOnlyLines:
+    """A file that grows by whole lines only: each line goes to the file in one write() and, if that write
+    fails or falls short (a full disk), the file is cut back to its last complete line before the error is raised."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = os.fstat(self._fd).st_size
+
+    def write_line(self, line: str) -> None:
+        data = line.encode()
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        except BaseException:
+            os.ftruncate(self._fd, self._size)
+            raise
+        self._size += len(data)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class MetricsFile(Sink):
-    """Appends each record as one JSON line to the run dir's metrics.jsonl, flushed at once;
-    writes end-of-run tables and images as CSV and PNG files in the run dir."""
+    """Appends each record as one JSON line to the run dir's metrics.jsonl, at once and whole (a line
+    that cannot be written in full is not left torn); writes end-of-run tables and images as CSV and
+    PNG files in the run dir."""
 
     def __init__(self, run_dir: RunDir):
         self.run_dir = run_dir
-        self._fh = open(run_dir.metrics_path, "a", buffering=1)
+        self._fh = AppendOnlyLines(run_dir.metrics_path)
 
     @classmethod
     def open(cls, run: SinkContext) -> "MetricsFile":
         return cls(run.run_dir)  # train() has rewound metrics.jsonl to the checkpoint's step
 
     def log(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps({k: _jsonable(v) for k, v in record.items()}, allow_nan=False) + "\n")
+        self._fh.write_line(json.dumps({k: _jsonable(v) for k, v in record.items()}, allow_nan=False) + "\n")
 
     def log_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None:
         self.run_dir.write_table(name, columns, rows)
@@ -152,17 +247,20 @@ class MetricsCsv(Sink):
 
     def __init__(self, path: Path, start_step: int | None = None):
         kept = _csv_rows_before(path, start_step) if start_step is not None else []
-        self._fh = open(path, "w", newline="", buffering=1)
-        self._writer = csv.DictWriter(self._fh, self.COLUMNS, extrasaction="ignore", lineterminator="\n")
-        self._writer.writeheader()
-        self._writer.writerows(kept)
+        write_bytes_atomic(path, "".join(self._row(row) for row in [dict(zip(self.COLUMNS, self.COLUMNS)), *kept]).encode())
+        self._fh = AppendOnlyLines(path)
 
     @classmethod
     def open(cls, run: SinkContext) -> "MetricsCsv":
         return cls(run.run_dir.path / "metrics.csv", run.start_step)
 
+    def _row(self, row: dict[str, Any]) -> str:
+        buffer = io.StringIO()
+        csv.DictWriter(buffer, self.COLUMNS, extrasaction="ignore", lineterminator="\n").writerow(row)
+        return buffer.getvalue()
+
     def log(self, record: dict[str, Any]) -> None:
-        self._writer.writerow({k: _jsonable(v) for k, v in record.items() if k in self.COLUMNS})
+        self._fh.write_line(self._row({k: _jsonable(v) for k, v in record.items() if k in self.COLUMNS}))
 
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
         self._fh.close()
@@ -326,6 +424,24 @@ def wandb_config(cfg, run_dir: RunDir) -> dict[str, Any]:
 SINKS: dict[str, type[Sink]] = {"jsonl": MetricsFile, "csv": MetricsCsv, "wandb": WandbSink}
 
 
-def open_sinks(run: SinkContext) -> list[Sink]:
-    """The sinks `run.cfg.sinks` names, in its order; wandb is left out under wandb.mode=disabled."""
-    return [SINKS[name].open(run) for name in run.cfg.sinks if not (name == "wandb" and run.cfg.wandb.mode == "disabled")]
+def open_sinks(run: SinkContext, into: list[Sink] | None = None) -> list[Sink]:
+    """The sinks `run.cfg.sinks` names, in its order; wandb is left out under wandb.mode=disabled.
+
+    Each opened sink is appended to `into` (a new list by default) as soon as it is open, so a caller
+    that passed its list finishes the ones that opened even when a later one fails to."""
+    opened = [] if into is None else into
+    for name in run.cfg.sinks:
+        if not (name == "wandb" and run.cfg.wandb.mode == "disabled"):
+            opened.append(SINKS[name].open(run))
+    return opened
+
+
+def finish_all(sinks: list[Sink], summary: dict[str, Any], exit_code: int) -> BaseException | None:
+    """Finish every sink, even when one fails; return the first failure (None if all finished)."""
+    first: BaseException | None = None
+    for sink in sinks:
+        try:
+            sink.finish(summary, exit_code)
+        except Exception as err:
+            first = first or err
+    return first

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import math
 import os
 import random
 import secrets
 import sys
 import time
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -47,8 +47,9 @@ from .checkpoint import Checkpoint, CheckpointError, Checkpointer, resolve_resum
 from .config import RunConfig
 from .data import Corpus, bits_per_byte, eval_batches, load_corpus, model_vocab_size, sample_batch, target_bytes
 from .model import GPT
+from . import preempt
 from .preempt import Preempted
-from .sinks import RunDir, Sink, SinkContext, open_sinks
+from .sinks import RunDir, Sink, SinkContext, finish_all, open_sinks
 from .state import TrainState
 from .telemetry import Probe
 
@@ -226,18 +227,25 @@ def train(
     """Train one model as `cfg` says; write config.json and summary.json into `run_dir`; return the summary.
 
     The sinks are the ones `cfg.sinks` names (or, given, `sinks` as they are: pass them for a fresh
-    run only, since a resumed run rewinds metrics.jsonl before it opens its own); they are always
-    finished, with a non-zero exit code if training raised. `callbacks` run after the built-in ones
-    at every hook, before checkpointing, and are checkpointed with them. `cfg.resume` decides where
-    training starts (see checkpoint.resolve_resume); a checkpoint that does not fit raises
-    CheckpointError and leaves `run_dir` untouched. A preemption signal (preempt.py) raises
-    Preempted after the checkpoint is saved. Under torchrun only rank 0 writes files.
+    run only, since a resumed run rewinds metrics.jsonl before it opens its own); every one that opened
+    is finished, with a non-zero exit code if training raised, even when another fails to. `callbacks`
+    run after the built-in ones at every hook, before checkpointing, and are checkpointed with them.
+
+    The run dir is locked for the run (RunDirBusy if another process holds it). `cfg.resume` decides
+    where training starts (see checkpoint.resolve_resume); everything that can refuse it (a checkpoint
+    that does not restore, records of another config) raises CheckpointError before anything in
+    `run_dir` changes. A preemption signal (preempt.py) raises Preempted:
+    before the first step at once, later after the checkpoint is saved. Under torchrun only rank 0 writes files.
     """
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-    started = time.time()
     writes = distributed.is_main()
-    resumed = resolve_resume(cfg, run_dir.path)
-    summary: dict[str, Any] = {
+    with run_dir.lock() if writes else contextlib.nullcontext(), preempt.starting():
+        return _train_in(cfg, run_dir, sinks, callbacks, writes)
+
+
+def summary_head(cfg: RunConfig) -> dict[str, Any]:
+    """The first fields of every summary.json: what the run is, and status `running`."""
+    return {
         "name": run_name(cfg),
         "norm": cfg.norm.label,
         "placement": cfg.placement,
@@ -248,6 +256,14 @@ def train(
         "group": cfg.wandb.group,
         "status": "running",
     }
+
+
+def _train_in(cfg: RunConfig, run_dir: RunDir, sinks: list[Sink] | None, callbacks: Sequence[Callback],
+              writes: bool) -> dict[str, Any]:
+    """train() inside the run dir's lock: refuse, or change the run dir, train, and record how it ended."""
+    started = time.time()
+    resumed = resolve_resume(cfg, run_dir.path)
+    summary = summary_head(cfg)
     opened: list[Sink] = []
     exit_code = 1
     try:
@@ -256,21 +272,29 @@ def train(
                        tokenizer=corpus.tokenizer.identity)
         if resumed is not None:
             resumed.check_corpus(corpus.sha256)
+            check_resumable(cfg, resumed, callbacks)
         wandb_run_id = (resumed.wandb_run_id if resumed else None) or secrets.token_hex(4)
         checkpointer = Checkpointer(run_dir.path, cfg, wandb_run_id=wandb_run_id, corpus_sha256=corpus.sha256,
                                     world_size=distributed.world_size(), writes=writes)
         if writes:
-            run_dir.write_config(cfg.to_dict())
-            if corpus.tokenizer.kind != "byte":
-                corpus.tokenizer.save(run_dir.path / "tokenizer.json")  # `normlab sample` decodes with it
-            start_step = resumed.step if resumed else None
-            history = rewind(run_dir.path, start_step or 0)
-            context = SinkContext(cfg, run_dir, summary["name"], wandb_run_id, start_step, history)
-            opened = open_sinks(context) if sinks is None else sinks
+            with preempt.deferred():  # from here the run dir changes: no signal leaves it halfway
+                run_dir.reserve()
+                run_dir.write_config(cfg.to_dict())
+                if corpus.tokenizer.kind != "byte":
+                    corpus.tokenizer.save(run_dir.path / "tokenizer.json")  # `normlab sample` decodes with it
+                start_step = resumed.step if resumed else None
+                history = rewind(run_dir.path, start_step or 0)
+                context = SinkContext(cfg, run_dir, summary["name"], wandb_run_id, start_step, history)
+                if sinks is None:
+                    open_sinks(context, into=opened)
+                else:
+                    opened.extend(sinks)
         summary.update(_fit(cfg, corpus, opened, checkpointer, resumed, callbacks))
         exit_code = 0  # a diverged run is an outcome, not a failure
     except Preempted as stop:
-        summary.update(status="preempted", preempted_step=stop.step)
+        if stop.step is None:  # stopped before the first step: the run is where it started
+            stop.step = resumed.step if resumed else 0
+        summary.update(status=stop.status, preempted_step=stop.step)
         exit_code = 128 + stop.signum
         raise
     except CheckpointError:
@@ -281,12 +305,47 @@ def train(
         summary["error"] = f"{type(err).__name__}: {err}"
         raise
     finally:
+        preempt.training_started()  # no signal may cut the records of the run's end short
         summary["wall_time_s"] = round(time.time() - started, 3)
-        if writes:
-            run_dir.write_summary(summary)
-        for sink in opened:
-            sink.finish(summary, exit_code)
+        trouble = _record_end(run_dir if writes else None, summary, opened, exit_code)
+    if trouble is not None:
+        raise trouble  # training went well, but its records could not all be written
     return summary
+
+
+def _record_end(run_dir: RunDir | None, summary: dict[str, Any], sinks: list[Sink], exit_code: int) -> BaseException | None:
+    """Write summary.json (into `run_dir`, when given) and finish every sink, whatever fails on the way;
+    return the first failure, or None."""
+    trouble: BaseException | None = None
+    if run_dir is not None:
+        try:
+            run_dir.write_summary(summary)
+        except Exception as err:
+            trouble = err
+    return trouble or finish_all(sinks, summary, exit_code)
+
+
+def check_resumable(cfg: RunConfig, checkpoint: Checkpoint, extra: Sequence[Callback] = ()) -> None:
+    """Raise CheckpointError unless `checkpoint` restores into a run of `cfg`: a dry restore into a fresh
+    state on the CPU and the loop's callbacks, so a checkpoint that lacks a piece is refused before the
+    run dir changes. (It restores the RNG states too; the real restore sets them again.)"""
+    cpu = torch.device("cpu")
+    if cfg.model.vocab_size is None:  # the tokenizer's, which the checkpoint's embedding has
+        try:
+            vocab = int(checkpoint.payload["state"]["model"]["tok_emb.weight"].shape[0])
+        except (KeyError, TypeError, AttributeError, IndexError):
+            raise CheckpointError(f"{checkpoint.path}: holds no model embedding (state.model.tok_emb.weight)") from None
+        cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    state = build_state(cfg, cpu, "fp32")
+    checkpointer = Checkpointer(checkpoint.path.parent, cfg, wandb_run_id=None, corpus_sha256="", writes=False)
+    checkpoint.restore(state, standard_callbacks(replace(cfg, progress=False), state, [], checkpointer, cpu, extra))
+
+
+def with_model_vocab(cfg: RunConfig, corpus: Corpus) -> RunConfig:
+    """`cfg` with the model's vocabulary resolved: the tokenizer's when model.vocab_size is null. A copy, so
+    the config that checkpoints and config.json keep is the one given."""
+    vocab = model_vocab_size(cfg.model.vocab_size, corpus)
+    return replace(cfg, model=replace(cfg.model, vocab_size=vocab))
 
 
 def build_state(cfg: RunConfig, device: torch.device, precision: str) -> TrainState:
@@ -305,7 +364,7 @@ def build_state(cfg: RunConfig, device: torch.device, precision: str) -> TrainSt
     return TrainState(model, optimizer, scaler, torch.Generator().manual_seed(cfg.seed))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class HeldOut:
     """The fixed evaluation windows, and how many UTF-8 bytes their target tokens stand for."""
 
@@ -353,9 +412,7 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
 def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkpointer, resumed: Checkpoint | None,
          extra: Sequence[Callback]) -> dict[str, Any]:
     """Build everything, restore a checkpoint if resuming, run the steps; return the run's results."""
-    # The model's vocabulary follows the tokenizer (model.vocab_size=null); the checkpoint keeps `cfg` as given.
-    vocab = model_vocab_size(cfg.model.vocab_size, corpus)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    cfg = with_model_vocab(cfg, corpus)
     device = distributed.local_device(resolve_device(cfg.device))
     precision = resolve_precision(cfg.precision, device)
     seed_everything(cfg.seed)

@@ -162,9 +162,9 @@ def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, 
     assert rows(job) == rows(tmp_path / "whole")
     assert resumed["final_val_loss"] == uninterrupted["final_val_loss"]
 
-    assert "normlab: error: data.files: /nonexistent/corpus.txt does not exist" in job_logs(sweep, 1)
-    assert not (sweep / "1_layer-pre-d2-lr3e-3-s0" / "summary.json").exists() or \
-        summary(sweep / "1_layer-pre-d2-lr3e-3-s0")["status"] != "completed"
+    # A data error is that job's failure, on one line and in its summary.json (issue 17).
+    assert "failed: DataError: data.files: /nonexistent/corpus.txt does not exist" in job_logs(sweep, 1)
+    assert summary(sweep / "1_layer-pre-d2-lr3e-3-s0")["status"] == "failed"
     assert "Traceback" not in err
 
 

@@ -1,0 +1,89 @@
+"""The Hydra layer's guard of a run dir: refusals before Hydra writes anything, and failures on record.
+
+Hydra writes <run dir>/.hydra/ (config.yaml, which `normlab compare` reads) before normlab's task
+runs, so a refusal that only train() found would come after those writes. `claim()` composes a
+single run's config as Hydra will and, when its run dir already exists, takes the run dir's lock
+(held until Hydra returns) and checks the resume (checkpoint.resolve_resume, then a dry restore):
+another process's run, a checkpoint that does not fit and another config's records are all refused
+while the run dir is as it was. train() checks the same again, for callers without Hydra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf, open_dict
+
+from .config import ConfigError, RunConfig
+
+
+def compose_run(overrides: list[str], config_dirs: list[str], config_module: str) -> tuple[RunConfig, Path] | None:
+    """The config and run dir Hydra will give the single run `overrides` asks for; None if Hydra cannot
+    compose it or the config is invalid (Hydra and the config check then say so in their own words)."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    search_path = create_config_search_path("pkg://" + config_module)
+    for d in config_dirs:
+        search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
+    try:
+        hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
+        cfg = hydra.compose_config("config", overrides, run_mode=RunMode.RUN, from_shell=True)
+        run_dir = Path(str(cfg.hydra.run.dir))
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)), run_dir
+    except Exception:
+        return None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+@contextlib.contextmanager
+def claim(overrides: list[str], config_dirs: list[str], config_module: str):
+    """For a single run whose run dir exists: hold its lock for the duration, after checking that the
+    run may start there. Raises ConfigError (one line) for what would refuse it, before Hydra writes."""
+    from .checkpoint import CheckpointError, resolve_resume
+    from .sinks import RunDir, RunDirBusy
+
+    if not config_dirs and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in overrides):
+        yield  # the packaged config names each run's dir by its launch time and id: a new dir
+        return
+    composed = compose_run(overrides, config_dirs, config_module)
+    if composed is None or not composed[1].is_dir():
+        yield  # a new run dir: nothing in it to protect
+        return
+    cfg, path = composed
+    from .train import check_resumable
+
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(RunDir(path).lock())
+            checkpoint = resolve_resume(cfg, path)
+            if checkpoint is not None:
+                check_resumable(cfg, checkpoint)
+        except (RunDirBusy, CheckpointError) as err:
+            raise ConfigError(str(err)) from None
+        yield
+
+
+def record_failure(run_dir: str | os.PathLike, cfg: RunConfig, err: BaseException) -> None:
+    """summary.json of a sweep job that could not start (status failed, with the error), so the sweep's
+    records say what happened to it; metrics and checkpoints stay as they were."""
+    from .sinks import RunDir
+    from .train import summary_head
+
+    RunDir(run_dir).write_summary({**summary_head(cfg), "status": "failed", "error": f"{type(err).__name__}: {err}"})
+
+
+def final_loss(summary: dict[str, Any]) -> float:
+    """A summary's final validation loss for a sweeper (NaN where it has none: diverged, or failed)."""
+    value = summary.get("final_val_loss")
+    return float(value) if isinstance(value, (int, float)) else math.nan

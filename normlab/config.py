@@ -159,6 +159,7 @@ class ModelConfig:
     mlp_ratio: int = 4
     bias: bool = True  # biases of the linear layers
     vocab_size: int | None = 256  # null: the tokenizer's vocabulary (the presets' choice); else at least it
+    embed_scale: bool = False  # multiply the token embedding by sqrt(d_model) (Vaswani et al. 2017; xiong2020 preset)
 
 
 @dataclass

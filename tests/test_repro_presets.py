@@ -33,6 +33,8 @@ def test_xiong2020_is_pre_against_post_layernorm_with_xavier_at_depth_12_with_an
         assert job.model.d_model == 128 and job.seq_len == 128 and job.lr == 3e-3
         assert job.telemetry.every > 0  # step 0, the paper's Figure 3, is a telemetry step
         assert job.optim.warmup_steps < job.max_steps
+        # The paper's setting: no gradient clipping, token embeddings scaled by sqrt(d).
+        assert job.optim.grad_clip == 0 and job.model.embed_scale
 
 
 def test_xiong2020_init_sweep_of_the_script_is_one_step_per_seed_and_placement():

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import distributed
+from .callbacks import BatchNormSteps
 from .callbacks import (
     Callback, Checkpointing, DivergenceGuard, Diverged, ProgressBar, Telemetry, TelemetryProducts, ThroughputClock,
 )
@@ -337,6 +338,7 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
     """
     callbacks: list[Callback] = [
         DivergenceGuard(cfg.diverge_factor, device),
+        BatchNormSteps(state.model, cfg),  # before telemetry, which reads the step's running statistics
         Telemetry(Probe(state.model, cfg.telemetry.every, cfg.max_steps)),
         ThroughputClock(cfg.batch_size * cfg.seq_len, compiled=cfg.compile),
         TelemetryProducts(sinks),

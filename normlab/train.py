@@ -60,7 +60,14 @@ def run_name(cfg: RunConfig) -> str:
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warmup to cfg.lr over optim.warmup_steps, then cosine decay to min_lr_ratio·lr at max_steps."""
+    """The learning rate of the update taken at step `step` (0-based; the run takes steps 0 … max_steps − 1).
+
+    Warmup: lr·(step + 1)/W for step < W = optim.warmup_steps, so step W − 1 already takes the peak lr.
+    Then cosine decay over the N − W steps from W to N = max_steps: with progress p = (step − W)/(N − W),
+    floor + (lr − floor)·(1 + cos(πp))/2, floor = optim.min_lr_ratio·lr. Convention: p = 1, the floor
+    itself, falls on step N, where no update is taken; the last update (step N − 1) is taken at
+    floor + (lr − floor)·(1 − cos(π/(N − W)))/2 ≈ floor + (lr − floor)·π²/(4(N − W)²), just above it.
+    """
     warmup = cfg.optim.warmup_steps
     if step < warmup:
         return cfg.lr * (step + 1) / warmup

@@ -69,7 +69,7 @@ NORM_TRAITS: dict[str, NormTraits] = {
     "rms": NormTraits("RMSNorm", ("eps", "weight"), ("RMSNorm",), gains=("weight",)),
     "batch": NormTraits(
         "BatchNorm",
-        ("eps", "momentum", "weight", "bias", "sync", "causal"),
+        ("eps", "momentum", "weight", "bias", "sync", "causal", "stat_rows"),
         ("BatchNorm", "CausalBatchNorm"),
         batch_statistics=True,
         gains=("weight",),
@@ -141,6 +141,7 @@ class NormConfig:
     momentum: float = 0.1  # BatchNorm running-statistics momentum
     sync: bool = True  # BatchNorm under DDP: statistics over the global batch
     causal: bool = False  # BatchNorm: statistics per position over the batch, never across time
+    stat_rows: int | None = None  # BatchNorm: sequences per statistic ("ghost batch"); null: the micro-batch
     alpha_attn: float = 0.5  # DyT: initial α of the attention norms (and of QK-norm)
     alpha_mlp: float = 0.5  # DyT: initial α of the MLP norms
     alpha_final: float = 0.5  # DyT: initial α of the final norm before the head
@@ -165,6 +166,7 @@ class ModelConfig:
     mlp_ratio: int = 4
     bias: bool = True  # biases of the linear layers
     vocab_size: int | None = 256  # null: the tokenizer's vocabulary (the presets' choice); else at least it
+    embed_scale: bool = False  # multiply the token embedding by sqrt(d_model) (Vaswani et al. 2017; xiong2020 preset)
 
 
 @dataclass
@@ -482,15 +484,26 @@ class RunConfig:
                 f"learnable gain ({qk_norms}) or qk_norm=false"
             )
         if traits.batch_statistics:
-            # Each statistic needs at least two values: over the micro-batch at one position when
-            # causal, over micro-batch × time otherwise.
-            values = self.micro_batch_size * (1 if self.norm.causal else self.seq_len)
-            if values < 2:
-                where = "per position, over the micro-batch" if self.norm.causal else "over micro-batch × time"
-                raise ConfigError(
-                    f"norm={self.norm.label} takes its statistics {where}, which holds {values} value here: "
-                    "raise batch_size/grad_accum (the micro-batch size) to at least 2"
-                )
+            self._validate_stat_rows()
+
+    def _validate_stat_rows(self) -> None:
+        """BatchNorm's statistic groups: stat_rows sequences that divide the micro-batch, at least two values each."""
+        rows = self.norm.stat_rows
+        if rows is not None and (rows < 1 or self.micro_batch_size % rows):
+            raise ConfigError(
+                f"norm.stat_rows={rows}: must divide the micro-batch of {self.micro_batch_size} sequences "
+                f"(batch_size/grad_accum), or be null for the whole micro-batch"
+            )
+        # Each statistic needs at least two values: over the group at one position when causal,
+        # over the group × time otherwise.
+        values = (rows or self.micro_batch_size) * (1 if self.norm.causal else self.seq_len)
+        if values < 2:
+            group = f"groups of norm.stat_rows={rows} sequences" if rows else "micro-batch"
+            where = f"per position, over the {group}" if self.norm.causal else f"over {group} × time"
+            raise ConfigError(
+                f"norm={self.norm.label} takes its statistics {where}, which holds {values} value here: "
+                "raise norm.stat_rows or batch_size/grad_accum (the micro-batch size) to at least 2"
+            )
 
 
 def check_wandb_names(project: str, tags: list) -> None:

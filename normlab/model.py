@@ -140,6 +140,9 @@ class GPT(nn.Module):
         super().__init__()
         m = cfg.model
         self.context = m.context
+        # The original Transformer's embedding scale: token embeddings × sqrt(d) on the way in (the
+        # tied head reads the unscaled matrix), so the stream starts at the size of the sublayers' outputs.
+        self.embed_scale = math.sqrt(m.d_model) if m.embed_scale else 1.0
         self.tok_emb = nn.Embedding(m.vocab_size, m.d_model)
         self.pos_emb = nn.Embedding(m.context, m.d_model)
         self.blocks = nn.ModuleList(
@@ -158,7 +161,8 @@ class GPT(nn.Module):
         if T > self.context:
             raise ValueError(f"sequence of length {T} exceeds the model's context {self.context}")
         pos = torch.arange(T, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        tok = self.tok_emb(idx)
+        x = (tok if self.embed_scale == 1.0 else tok * self.embed_scale) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm_f(x))

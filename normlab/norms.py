@@ -69,98 +69,173 @@ class RMSNorm(Norm):
         return f"{self.dim}, eps={self.eps}, weight={self.weight is not None}"
 
 
-class BatchNorm(Norm):
-    """y = γ ⊙ (x − μ_B) / sqrt(σ²_B + ε) + β with statistics per feature over every
-    position of the batch (batch × time); running statistics in eval mode (Ioffe & Szegedy 2015).
+class StepStatistics:
+    """Running statistics that advance once per optimizer step: the part BatchNorm and CausalBatchNorm share.
 
-    In training mode a position's output depends on every other position in the
-    batch, later tokens included: it is not causal. Eval mode is.
-
-    `process_group` (None unless `distributed.wrap` sets it for norm.sync=true): in training mode
-    the statistics are then taken over the rows of every process in the group, exactly as one
-    process holding the whole batch would take them, gradients included.
+    Every training-mode forward adds the mean and unbiased variance of each of its statistic groups
+    (see `BatchNorm`) to a per-step sum; `advance_running_statistics()` then moves the running
+    statistics once, by `momentum`, toward the mean over all the groups the step saw, and counts one
+    step in `num_batches_tracked`. Inside normlab's training loop the BatchNormSteps callback sets
+    `per_step` and advances at every optimizer step, so `momentum` means the same at any grad_accum.
+    Elsewhere (`per_step` false) each training forward is a step of its own, as in torch.
+    The per-step sums are zero between steps, so they are not part of the state_dict.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1, weight: bool = True, bias: bool = True):
+    def _init_step_statistics(self, shape: tuple[int, ...], stat_rows: int | None) -> None:
+        self.stat_rows, self.per_step = stat_rows, False
+        self.register_buffer("running_mean", torch.zeros(shape))
+        self.register_buffer("running_var", torch.ones(shape))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        self.register_buffer("step_mean_sum", torch.zeros(shape), persistent=False)
+        self.register_buffer("step_var_sum", torch.zeros(shape), persistent=False)
+        self.register_buffer("step_groups", torch.zeros((*shape[:-1], 1)), persistent=False)
+
+    def groups(self, batch: int) -> int:
+        """How many statistic groups a micro-batch of `batch` sequences splits into (1 for stat_rows=None)."""
+        if self.stat_rows is None:
+            return 1
+        if batch % self.stat_rows:
+            raise ValueError(f"a micro-batch of {batch} sequences does not split into groups of stat_rows={self.stat_rows}")
+        return batch // self.stat_rows
+
+    @torch.no_grad()
+    def _observe(self, mean: torch.Tensor, var: torch.Tensor, positions: int | None = None) -> None:
+        """Add groups' statistics, (groups, *shape) or (groups, positions, d), to the step's sums."""
+        rows = slice(None) if positions is None else slice(0, positions)
+        self.step_mean_sum[rows] += mean.sum(0)
+        self.step_var_sum[rows] += var.sum(0)
+        self.step_groups[rows] += mean.shape[0]
+        if not self.per_step:
+            self.advance_running_statistics()
+
+    @torch.no_grad()
+    def advance_running_statistics(self) -> None:
+        """One momentum update toward the step's mean group statistics (rows no group saw stay); reset the sums."""
+        seen = self.step_groups > 0
+        count = self.step_groups.clamp(min=1)
+        self.running_mean.copy_(torch.where(seen, self.running_mean.lerp(self.step_mean_sum / count, self.momentum),
+                                            self.running_mean))
+        self.running_var.copy_(torch.where(seen, self.running_var.lerp(self.step_var_sum / count, self.momentum),
+                                           self.running_var))
+        self.num_batches_tracked.add_(seen.any().long())
+        for buffer in (self.step_mean_sum, self.step_var_sum, self.step_groups):
+            buffer.zero_()
+
+
+class BatchNorm(StepStatistics, Norm):
+    """y = γ ⊙ (x − μ_B) / sqrt(σ²_B + ε) + β with statistics per feature over every
+    position of a group of sequences (sequences × time); running statistics in eval mode (Ioffe & Szegedy 2015).
+
+    A group is `stat_rows` consecutive sequences of the micro-batch ("ghost batches"), or the whole
+    micro-batch when `stat_rows` is None. Running statistics: see `StepStatistics`.
+
+    In training mode a position's output depends on every other position in its group, later tokens
+    included: it is not causal. Eval mode is.
+
+    `process_group` (None unless `distributed.wrap` sets it for norm.sync=true, which refuses
+    stat_rows): in training mode the statistics are then taken over the rows of every process in the
+    group, exactly as one process holding the whole micro-batch would take them, gradients included.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, momentum: float = 0.1, weight: bool = True, bias: bool = True,
+                 stat_rows: int | None = None):
         super().__init__()
         self.dim, self.eps, self.momentum = dim, eps, momentum
         self.weight = nn.Parameter(torch.ones(dim)) if weight else None
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
-        self.register_buffer("running_mean", torch.zeros(dim))
-        self.register_buffer("running_var", torch.ones(dim))
-        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        self._init_step_statistics((dim,), stat_rows)
         self.process_group = None
 
     @classmethod
     def from_config(cls, cfg: NormConfig, dim: int, role: str, positions: int | None) -> Norm:
         """BatchNorm, or with norm.causal=true CausalBatchNorm over `positions` positions (the model's context)."""
         if not cfg.causal:
-            return cls(dim, cfg.eps, cfg.momentum, cfg.weight, cfg.bias)
+            return cls(dim, cfg.eps, cfg.momentum, cfg.weight, cfg.bias, cfg.stat_rows)
         if positions is None:
             raise ValueError("causal BatchNorm keeps statistics per position: build_norm needs `positions`")
-        return CausalBatchNorm(dim, positions, cfg.eps, cfg.momentum, cfg.weight, cfg.bias)
+        return CausalBatchNorm(dim, positions, cfg.eps, cfg.momentum, cfg.weight, cfg.bias, cfg.stat_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            self.num_batches_tracked.add_(1)
         flat = x.reshape(-1, self.dim).float()
         w = None if self.weight is None else self.weight.float()
         b = None if self.bias is None else self.bias.float()
-        if self.training and self.process_group is not None:
-            y = global_batch_norm(flat, self.running_mean, self.running_var, w, b, self.momentum, self.eps,
-                                  self.process_group)
+        if not self.training:
+            y = F.batch_norm(flat, self.running_mean, self.running_var, w, b, False, 0.0, self.eps)
+        elif self.process_group is not None:
+            y, mean, var = global_batch_norm(flat, w, b, self.eps, self.process_group)
+            self._observe(mean[None], var[None])
         else:
-            y = F.batch_norm(flat, self.running_mean, self.running_var, w, b, self.training, self.momentum, self.eps)
+            y, mean, var = grouped_batch_norm(flat, self.groups(x.shape[0]), w, b, self.eps)
+            self._observe(mean, var)
         return y.reshape(x.shape).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}, momentum={self.momentum}, affine={self.weight is not None}"
+        return (f"{self.dim}, eps={self.eps}, momentum={self.momentum}, affine={self.weight is not None}, "
+                f"stat_rows={self.stat_rows}")
 
 
-class CausalBatchNorm(Norm):
-    """BatchNorm with statistics per feature *and per position*, over the batch only (never across time).
+class CausalBatchNorm(StepStatistics, Norm):
+    """BatchNorm with statistics per feature *and per position*, over a group of sequences only (never across time).
 
-    For x of shape (B, T, d), position t is normalized with the mean and biased
-    variance of the B vectors at position t, so its output depends on no token
-    after t. Eval mode uses per-position running statistics (`positions` rows),
-    updated as torch's BatchNorm updates its own (momentum, unbiased variance).
+    For x of shape (B, T, d), position t is normalized with the mean and biased variance of the
+    group's vectors at position t (the group: `stat_rows` consecutive sequences, or all B when None),
+    so its output depends on no token after t. Eval mode uses per-position running statistics
+    (`positions` rows, each advanced as `StepStatistics` says, with the unbiased variance).
     """
 
-    def __init__(
-        self, dim: int, positions: int, eps: float = 1e-5, momentum: float = 0.1, weight: bool = True, bias: bool = True
-    ):
+    def __init__(self, dim: int, positions: int, eps: float = 1e-5, momentum: float = 0.1, weight: bool = True,
+                 bias: bool = True, stat_rows: int | None = None):
         super().__init__()
         self.dim, self.positions, self.eps, self.momentum = dim, positions, eps, momentum
         self.weight = nn.Parameter(torch.ones(dim)) if weight else None
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
-        self.register_buffer("running_mean", torch.zeros(positions, dim))
-        self.register_buffer("running_var", torch.ones(positions, dim))
-        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        self._init_step_statistics((positions, dim), stat_rows)
         self.process_group = None  # as BatchNorm's: set by distributed.wrap for norm.sync=true
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         if T > self.positions:
             raise ValueError(f"sequence of length {T} exceeds the {self.positions} positions CausalBatchNorm tracks")
-        if self.training:
-            self.num_batches_tracked.add_(1)
-        # One fused batch_norm over T·d channels, each a (position, feature) pair; the buffer
-        # rows 0..T-1 are views, so the kernel updates the running statistics in place.
+        # One batch_norm over T·d channels, each a (position, feature) pair.
         flat = x.reshape(B, T * d).float()
         w = None if self.weight is None else self.weight.float().repeat(T)
         b = None if self.bias is None else self.bias.float().repeat(T)
-        mean, var = self.running_mean[:T].view(-1), self.running_var[:T].view(-1)
-        if self.training and self.process_group is not None:
-            y = global_batch_norm(flat, mean, var, w, b, self.momentum, self.eps, self.process_group)
+        if not self.training:
+            mean, var = self.running_mean[:T].reshape(-1), self.running_var[:T].reshape(-1)
+            y = F.batch_norm(flat, mean, var, w, b, False, 0.0, self.eps)
+        elif self.process_group is not None:
+            y, mean, var = global_batch_norm(flat, w, b, self.eps, self.process_group)
+            self._observe(mean.view(1, T, d), var.view(1, T, d), T)
         else:
-            y = F.batch_norm(flat, mean, var, w, b, self.training, self.momentum, self.eps)
+            y, mean, var = grouped_batch_norm(flat, self.groups(B), w, b, self.eps)
+            self._observe(mean.view(-1, T, d), var.view(-1, T, d), T)
         return y.reshape(x.shape).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (
             f"{self.dim}, positions={self.positions}, eps={self.eps}, momentum={self.momentum}, "
-            f"affine={self.weight is not None}"
+            f"affine={self.weight is not None}, stat_rows={self.stat_rows}"
         )
+
+
+def grouped_batch_norm(
+    flat: torch.Tensor, groups: int, w: torch.Tensor | None, b: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training-mode batch norm of (rows, channels) with statistics per channel over each of `groups`
+    equal blocks of consecutive rows; returns the output and each group's mean and unbiased variance,
+    (groups, channels), detached.
+
+    One fused F.batch_norm over groups × channels columns: with one group, exactly F.batch_norm.
+    """
+    rows, channels = flat.shape
+    columns = flat.view(groups, rows // groups, channels).transpose(0, 1).reshape(rows // groups, groups * channels)
+    w = None if w is None else w.repeat(groups)
+    b = None if b is None else b.repeat(groups)
+    y = F.batch_norm(columns, None, None, w, b, True, 0.0, eps)
+    y = y.view(rows // groups, groups, channels).transpose(0, 1).reshape(rows, channels)
+    with torch.no_grad():
+        var, mean = torch.var_mean(columns.detach(), dim=0)  # unbiased, as torch's running update uses
+    return y, mean.view(groups, channels), var.view(groups, channels)
 
 
 class DyT(Norm):
@@ -243,18 +318,11 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 def global_batch_norm(
-    flat: torch.Tensor,
-    running_mean: torch.Tensor,
-    running_var: torch.Tensor,
-    w: torch.Tensor | None,
-    b: torch.Tensor | None,
-    momentum: float,
-    eps: float,
-    group,
-) -> torch.Tensor:
+    flat: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float, group
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """F.batch_norm's training-mode arithmetic on (rows, channels) with the sums taken over every
-    rank of `group`: the result one process holding all ranks' rows would get. Updates the
-    running statistics in place, as F.batch_norm does.
+    rank of `group`: the result one process holding all ranks' rows would get. Returns the output
+    and the global mean and unbiased variance per channel (detached), for the running statistics.
 
     Two passes (mean, then squared deviations) rather than E[x²] − μ², which loses precision
     when |μ| ≫ σ. The all-reduces carry gradients (their backward sums over ranks), so each
@@ -271,11 +339,8 @@ def global_batch_norm(
         y = y * w
     if b is not None:
         y = y + b
-    with torch.no_grad():
-        unbiased = var * (n / (n - 1).clamp(min=1))
-        running_mean.lerp_(mean.detach(), momentum)
-        running_var.lerp_(unbiased.detach(), momentum)
-    return y
+    unbiased = var.detach() * (n / (n - 1).clamp(min=1))
+    return y, mean.detach(), unbiased
 
 
 NORM_ROLES = ("attn", "mlp", "final")

@@ -19,8 +19,8 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     act/embed_rms, act/embed_max            the stream entering block 0
     grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / entering block 0
     grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_f_norm
-    update_ratio/L03, update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, update_ratio/norm_f
-    norm/gain_mean/L03/norm1, norm/gain_std/..., norm/alpha/..., norm/running_var/...
+    update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, .../norm_f
+    norm/gain_mean/L03/norm1, .../L03/q_norm (QK-norm), norm/gain_std/..., norm/alpha/..., norm/running_var/...
     attn/logit_max/L03, attn/entropy/L03
 """
 
@@ -109,7 +109,10 @@ class Probe:
 
     def _param_groups(self) -> tuple[list[nn.Parameter], dict[str, list[int]]]:
         """The model's parameters (each once) and groups of their indices by location:
-        'L03' (the whole block), 'L03/attn', 'L03/mlp', 'L03/norms', 'embed', 'norm_f'."""
+        'L03' (the whole block), 'L03/attn', 'L03/mlp', 'L03/norms', 'embed', 'norm_f'.
+
+        'L03/norms' holds every norm parameter of the block, QK-norm's gains included; 'L03/attn'
+        holds the attention's projections only."""
         params: list[nn.Parameter] = []
         index: dict[int, int] = {}
 
@@ -130,19 +133,33 @@ class Probe:
             groups[label] = ids(block.parameters())
             for name, child in block.named_children():
                 part = "norms" if name.startswith("norm") else name
-                groups.setdefault(f"{label}/{part}", []).extend(ids(child.parameters()))
+                qk_norms = [child.q_norm, child.k_norm] if name == "attn" else []
+                qk = {id(p) for norm in qk_norms for p in norm.parameters()}
+                groups.setdefault(f"{label}/{part}", []).extend(ids(p for p in child.parameters() if id(p) not in qk))
+                groups.setdefault(f"{label}/norms", []).extend(ids(p for norm in qk_norms for p in norm.parameters()))
         return params, {loc: members for loc, members in groups.items() if members}
 
     def _norm_modules(self) -> dict[str, nn.Module]:
-        """Every norm that is not an identity, by location: 'L03/norm1', ..., 'norm_f'."""
+        """Every norm that is not an identity, by location: 'L03/norm1', ..., 'L03/q_norm', 'L03/k_norm', 'norm_f'."""
         norms = {}
         for label, block in zip(self.labels, self.model.blocks):
             for name, child in block.named_children():
                 if _is_norm_slot(name, child):
                     norms[f"{label}/{name}"] = child
+            for name in ("q_norm", "k_norm"):  # QK-norm, one module shared by the heads
+                if not isinstance(getattr(block.attn, name), nn.Identity):
+                    norms[f"{label}/{name}"] = getattr(block.attn, name)
         if _is_norm_slot("norm_f", self.model.norm_f):
             norms["norm_f"] = self.model.norm_f
         return norms
+
+    def _update_members(self, loc: str, members: list[int]) -> list[int]:
+        """The parameters of update_ratio/<loc>: a whole block's figure ('L03') is over its sublayers'
+        weights (attn and mlp) alone. Norm gains sit near 1 and, in the denominator, would make the
+        figure differ between norms whose sublayers update alike; they have update_ratio/L03/norms."""
+        if loc not in self.labels:
+            return members
+        return self._groups.get(f"{loc}/attn", []) + self._groups.get(f"{loc}/mlp", [])
 
     def active(self, step: int) -> bool:
         """True at step 0, every `every` steps and at the last training step; never when `every` is 0."""
@@ -299,8 +316,9 @@ class Probe:
                 key = {"embed": "grad/embed_norm", "norm_f": "grad/norm_f_norm"}.get(loc, f"grad/norm/{loc}")
                 stats[key] = _group_norm(host["grad"], members)
             if host["delta"]:
-                weight = _group_norm(host["weight"], members)
-                stats[f"update_ratio/{loc}"] = _group_norm(host["delta"], members) / weight if weight > 0 else math.nan
+                updated = self._update_members(loc, members)
+                weight = _group_norm(host["weight"], updated)
+                stats[f"update_ratio/{loc}"] = _group_norm(host["delta"], updated) / weight if weight > 0 else math.nan
         return dict(sorted(stats.items()))
 
 

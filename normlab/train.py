@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import distributed
+from .callbacks import BatchNormSteps
 from .callbacks import (
     Callback, Checkpointing, DivergenceGuard, Diverged, RunReport, Telemetry, TelemetryProducts, ThroughputClock, progress,
 )
@@ -60,7 +61,14 @@ def run_name(cfg: RunConfig) -> str:
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warmup to cfg.lr over optim.warmup_steps, then cosine decay to min_lr_ratio·lr at max_steps."""
+    """The learning rate of the update taken at step `step` (0-based; the run takes steps 0 … max_steps − 1).
+
+    Warmup: lr·(step + 1)/W for step < W = optim.warmup_steps, so step W − 1 already takes the peak lr.
+    Then cosine decay over the N − W steps from W to N = max_steps: with progress p = (step − W)/(N − W),
+    floor + (lr − floor)·(1 + cos(πp))/2, floor = optim.min_lr_ratio·lr. Convention: p = 1, the floor
+    itself, falls on step N, where no update is taken; the last update (step N − 1) is taken at
+    floor + (lr − floor)·(1 − cos(π/(N − W)))/2 ≈ floor + (lr − floor)·π²/(4(N − W)²), just above it.
+    """
     warmup = cfg.optim.warmup_steps
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
@@ -396,6 +404,7 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
     """
     callbacks: list[Callback] = [
         DivergenceGuard(cfg.diverge_factor, device),
+        BatchNormSteps(state.model, cfg),  # before telemetry, which reads the step's running statistics
         Telemetry(Probe(state.model, cfg.telemetry.every, cfg.max_steps)),
         ThroughputClock(cfg.batch_size * cfg.seq_len, compiled=cfg.compile),
         TelemetryProducts(sinks),

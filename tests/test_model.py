@@ -278,3 +278,24 @@ def test_causal_batch_norm_keeps_statistics_for_every_position_of_the_context():
     assert isinstance(model.blocks[0].norm1, CausalBatchNorm)
     assert model.blocks[0].norm1.running_mean.shape == (32, 32)  # model.context × d_model
     assert isinstance(GPT(tiny_config("l2", "post")).blocks[0].norm1, L2Norm)
+
+
+def test_embed_scale_multiplies_the_token_embedding_by_sqrt_d_and_leaves_the_head_alone():
+    plain, scaled = GPT(tiny_config("layer")), GPT(tiny_config("layer"))
+    scaled.load_state_dict(plain.state_dict())
+    scaled.embed_scale = math.sqrt(scaled.tok_emb.embedding_dim)
+    entering: dict[str, torch.Tensor] = {}
+    for name, model in (("plain", plain), ("scaled", scaled)):
+        model.blocks[0].register_forward_pre_hook(lambda m, args, name=name: entering.__setitem__(name, args[0]))
+        model(torch.tensor([[1, 2, 3]]))
+    pos = plain.pos_emb.weight[:3]
+    d = plain.tok_emb.embedding_dim
+    torch.testing.assert_close(entering["scaled"] - pos, (entering["plain"] - pos) * math.sqrt(d))
+    assert scaled.head.weight is scaled.tok_emb.weight  # the head reads the unscaled matrix
+
+
+def test_embed_scale_key_reaches_the_model():
+    cfg = tiny_config("layer")
+    assert GPT(cfg).embed_scale == 1.0
+    cfg.model.embed_scale = True
+    assert GPT(cfg).embed_scale == math.sqrt(cfg.model.d_model)

@@ -235,3 +235,19 @@ def test_build_norm_gives_dyt_its_alpha_by_role():
     cfg = NormConfig(name="dyt", alpha_attn=0.8, alpha_mlp=0.2, alpha_final=0.1)
     alphas = {role: build_norm(cfg, 8, role).alpha.item() for role in ("attn", "mlp", "final")}
     assert alphas == pytest.approx({"attn": 0.8, "mlp": 0.2, "final": 0.1})
+
+
+def test_rms_norm_of_1234():
+    # mean(x²) = 7.5, so y = x / sqrt(7.5 + ε)
+    y = RMSNorm(4)(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    torch.testing.assert_close(y, torch.tensor([[0.3651, 0.7303, 1.0954, 1.4606]]), rtol=0, atol=1e-4)
+
+
+def test_seeded_torch_example_through_layer_and_rms_norm():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8)
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    torch.testing.assert_close(LayerNorm(8)(x), (x - mean) / torch.sqrt(var + 1e-5), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(LayerNorm(8)(x), nn.LayerNorm(8)(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(RMSNorm(8)(x), x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(RMSNorm(8)(x), nn.RMSNorm(8, eps=1e-5)(x), rtol=1e-5, atol=1e-6)

@@ -33,6 +33,8 @@ def test_xiong2020_is_pre_against_post_layernorm_with_xavier_at_depth_12_with_an
         assert job.model.d_model == 128 and job.seq_len == 128 and job.lr == 3e-3
         assert job.telemetry.every > 0  # step 0, the paper's Figure 3, is a telemetry step
         assert job.optim.warmup_steps < job.max_steps
+        # The paper's setting: no gradient clipping, token embeddings scaled by sqrt(d).
+        assert job.optim.grad_clip == 0 and job.model.embed_scale
 
 
 def test_xiong2020_init_sweep_of_the_script_is_one_step_per_seed_and_placement():
@@ -57,3 +59,45 @@ def test_dyt_vs_norm_is_three_norms_at_two_lrs_in_the_pre_placement():
 @pytest.mark.parametrize("name", ["xiong2020", "dyt_vs_norm"])
 def test_the_preset_passes_normlab_trains_own_check(name):
     check_jobs([f"experiment={name}"], [], multirun=True)
+
+
+# ---------------------------------------------------------------- the GPU presets (composed and validated, not run)
+
+
+def test_wortsman2023_is_layernorm_pre_post_with_and_without_qk_norm_over_the_lr_grid_depths_and_seeds():
+    params, jobs = _preset_jobs("wortsman2023", "lr=3e-4,3e-1", "seed=0")  # two corners of the grid, one seed
+    assert params == {"norm": "layer", "placement": "pre,post", "qk_norm": "false,true", "depth": "8,16",
+                      "lr": "3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1", "seed": "0,1,2"}
+    assert {(j.placement, j.qk_norm, j.depth, j.lr) for j in jobs} == {
+        (p, q, d, lr) for p in ("pre", "post") for q in (False, True) for d in (8, 16) for lr in (3e-4, 3e-1)
+    }
+    assert all(j.model.d_model == 256 and j.seq_len == 256 and j.telemetry.every > 0 for j in jobs)
+
+
+def test_wortsman2023_script_arms_rms_and_dyt_pre_validate():
+    overrides = ("norm=rms,dyt", "placement=pre", "qk_norm=false", "lr=3e-1", "seed=0")
+    _, jobs = _preset_jobs("wortsman2023", *overrides)
+    assert {(j.norm.name, j.placement, j.qk_norm, j.depth) for j in jobs} == {
+        (n, "pre", False, d) for n in ("rms", "dyt") for d in (8, 16)
+    }
+
+
+def test_xiong2020_warmup_is_post_ln_at_three_warmups_against_pre_ln_for_thousands_of_steps():
+    params, jobs = _preset_jobs("xiong2020_warmup")
+    assert {(j.placement, j.optim.warmup_steps) for j in jobs} >= {("post", 0), ("post", 500), ("post", 4000), ("pre", 0)}
+    for job in jobs:
+        assert job.depth == 12 and job.init == "xavier" and job.model.embed_scale and job.optim.grad_clip == 0
+        assert job.max_steps >= 2 * 4000 and job.norm.name == "layer"
+
+
+def test_zhu2025_is_dyt_with_its_stated_alpha_and_the_baselines_validate():
+    _, jobs = _preset_jobs("zhu2025")
+    assert len(jobs) == 9 and all(j.norm.name == "dyt" and j.init == "xavier" and j.placement == "pre" for j in jobs)
+    assert {(j.norm.alpha_attn, j.norm.alpha_mlp, j.norm.alpha_final) for j in jobs} == {(0.8, 0.2, 0.2)}
+    _, baselines = _preset_jobs("zhu2025_norms")
+    assert {j.norm.name for j in baselines} == {"layer", "rms"} and len(baselines) == 18
+    shared = ("init", "placement", "seq_len", "batch_size", "max_steps", "depth", "model")
+    assert {tuple(str(getattr(j, k)) for k in shared) for j in jobs + baselines} == {
+        tuple(str(getattr(jobs[0], k)) for k in shared)
+    }  # the same grid and model as DyT's
+    assert {(j.lr, j.seed) for j in baselines} == {(j.lr, j.seed) for j in jobs}

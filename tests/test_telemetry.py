@@ -180,7 +180,8 @@ def test_step_zero_statistics_equal_a_manual_step(tmp_path, text_data, norm, pla
 
     # The optimizer step, as the loop takes it: clip, then AdamW at step 0's learning rate.
     groups = {
-        **{f"L{i:02d}": list(b.parameters()) for i, b in enumerate(model.blocks)},
+        # a whole block's update ratio is over its sublayers' weights, its norm gains left out
+        **{f"L{i:02d}": [*b.attn.parameters(), *b.mlp.parameters()] for i, b in enumerate(model.blocks)},
         **{f"L{i:02d}/mlp": list(b.mlp.parameters()) for i, b in enumerate(model.blocks)},
         "embed": [model.tok_emb.weight, model.pos_emb.weight],
     }
@@ -316,6 +317,7 @@ def expected_keys(model: GPT) -> set[str]:
             keys |= {f"act/out_rms/{L}/{part}", f"grad/norm/{L}/{part}", f"update_ratio/{L}/{part}"}
         keys |= {f"grad/norm/{L}", f"update_ratio/{L}"}
         norms = {n: m for n, m in block.named_children() if n.startswith("norm") and not isinstance(m, nn.Identity)}
+        norms |= {n: getattr(block.attn, n) for n in ("q_norm", "k_norm") if not isinstance(getattr(block.attn, n), nn.Identity)}
         for name, norm in norms.items():
             keys |= norm_keys(f"{L}/{name}", norm)
         if any(True for n in norms.values() for _ in n.parameters()):
@@ -410,3 +412,51 @@ def test_importing_the_probe_and_the_loop_does_not_import_matplotlib():
     code = "import sys, normlab.telemetry, normlab.callbacks, normlab.train; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- QK-norm gains, block update ratio
+
+
+def _probe_one_step(model: GPT, lr: float = 1e-2) -> dict[str, float]:
+    """One watched forward, backward and AdamW step of `model` through a Probe; its statistics."""
+    probe = Probe(model, every=1, max_steps=1)
+    with probe.watch():
+        model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))).mean().backward()
+    probe.measure_gradients(torch.amp.GradScaler("cpu", enabled=False))
+    probe.before_update()
+    torch.optim.AdamW(model.parameters(), lr=lr).step()
+    return probe.collect()
+
+
+def test_qk_norm_gains_are_logged_as_norms_and_their_gradients_counted_under_norms():
+    torch.manual_seed(0)
+    model = GPT(tiny_config("rms", "pre", qk_norm=True))
+    attn = model.blocks[1].attn
+    with torch.no_grad():
+        attn.q_norm.weight.copy_(torch.linspace(0.5, 1.5, attn.q_norm.weight.numel()))
+    stats = _probe_one_step(model)
+    w = torch.linspace(0.5, 1.5, attn.q_norm.weight.numel())
+    assert stats["norm/gain_mean/L01/q_norm"] == pytest.approx(w.mean().item(), rel=1e-6)
+    assert stats["norm/gain_std/L01/q_norm"] == pytest.approx(w.std(correction=0).item(), rel=1e-6)
+    assert stats["norm/gain_mean/L01/k_norm"] == pytest.approx(1.0)
+    assert "act/norm_in_rms/L01/q_norm" in stats
+
+    def l2(params) -> float:
+        return math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params))
+
+    block = model.blocks[1]
+    assert stats["grad/norm/L01/attn"] == pytest.approx(l2([*attn.qkv.parameters(), *attn.proj.parameters()]), rel=1e-5)
+    norms = [*block.norm1.parameters(), *block.norm2.parameters(), attn.q_norm.weight, attn.k_norm.weight]
+    assert stats["grad/norm/L01/norms"] == pytest.approx(l2(norms), rel=1e-5)
+    assert attn.q_norm.weight.grad.abs().sum() > 0  # the gains do get a gradient: the test could fail
+
+
+def test_block_update_ratio_leaves_out_the_norm_gains():
+    ratios = {}
+    for norm in ("layer", "none"):
+        torch.manual_seed(0)
+        stats = _probe_one_step(GPT(tiny_config(norm, "pre")))
+        ratios[norm] = stats
+        attn, mlp = stats["update_ratio/L01/attn"], stats["update_ratio/L01/mlp"]
+        assert min(attn, mlp) <= stats["update_ratio/L01"] <= max(attn, mlp)  # a mix of the two, nothing else
+    assert ratios["layer"]["update_ratio/L01/norms"] > 0 and "update_ratio/L01/norms" not in ratios["none"]

@@ -506,10 +506,11 @@ class RunConfig:
             )
 
 
-def check_wandb_names(project: str, tags: list) -> None:
-    """wandb's own rules for a project name and tags (wandb.sdk.wandb_settings), checked before a run starts."""
-    bad = sorted(set(WANDB_PROJECT_FORBIDDEN) & set(project))
-    if not project or len(project) > WANDB_PROJECT_MAX or bad:
+def check_wandb_names(project: str | None, tags: list) -> None:
+    """wandb's own rules for a project name and tags (wandb.sdk.wandb_settings), checked before a run starts.
+    A null project is wandb's own setting (WANDB_PROJECT) or normlab's default, both left to wandb."""
+    bad = sorted(set(WANDB_PROJECT_FORBIDDEN) & set(project or ""))
+    if project is not None and (not project or len(project) > WANDB_PROJECT_MAX or bad):
         raise ConfigError(
             f"wandb.project={project!r}: a wandb project name has 1 to {WANDB_PROJECT_MAX} characters, none of "
             f"{' '.join(WANDB_PROJECT_FORBIDDEN)}" + (f" (found {' '.join(bad)})" if bad else "")

@@ -131,3 +131,14 @@ def test_plot_xiong2020_reads_a_real_sweep(tmp_path):
     assert len(re.findall(r"^\s+(pre|post)\s+\S+\s+\d+\s+completed\s+\d", out, re.M)) == 2
     for png in ("xiong2020_grad_init.png", "xiong2020_warmup.png"):
         assert (tmp_path / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_xiong2020_fig3_tables_the_step0_ffn_gradients_of_both_placements(tmp_path):
+    out = script("xiong2020_fig3.py", "--widths", "32", "--seeds", "2", "--out", str(tmp_path / "fig3"),
+                 "depth=2", "seq_len=16", "batch_size=4", cwd=tmp_path)
+    for name in ("Post-LN", "Pre-LN"):
+        line = next(l for l in out.splitlines() if l.startswith(f"| 32 | {name} |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[2] == "2"  # both seeds were read back from the runs' telemetry
+        first, last, ratio = float(cells[3]), float(cells[4]), float(cells[5])
+        assert first > 0 and last > 0 and abs(ratio - last / first) < 0.01 + 0.01 * ratio

@@ -179,7 +179,7 @@ def test_loss_curves_match_a_single_process_run_with_the_same_global_batch(spawn
 def test_the_real_command_started_rank_by_rank_shares_one_run_dir(tmp_path):
     """As torchrun starts it (RANK, WORLD_SIZE, MASTER_ADDR/PORT), but rank 1 a second and a half later."""
     overrides = ["model=tiny", "batch_size=8", "seq_len=16", f"max_steps={STEPS}", "eval_every=2", "eval_batches=2",
-                 "log_every=1", "progress=false", "wandb.mode=offline"]
+                 "log_every=1", "progress=false", "wandb.mode=offline", "device=cpu"]
     port = free_port()
     procs = []
     for rank in range(WORLD):

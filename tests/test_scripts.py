@@ -17,7 +17,7 @@ from normlab.config import NORMS
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 # The smallest config the scripts' Hydra overrides can ask for: a 2-block, 32-wide model, 4 × 16 tokens.
-TINY = ["model=tiny", "batch_size=4", "seq_len=16", "eval_batches=1"]
+TINY = ["model=tiny", "batch_size=4", "seq_len=16", "eval_batches=1", "device=cpu"]
 NUMBER = r"([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
 
 

@@ -410,3 +410,15 @@ def test_importing_the_probe_and_the_loop_does_not_import_matplotlib():
     code = "import sys, normlab.telemetry, normlab.callbacks, normlab.train; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_fused_parameter_norms_equal_the_per_tensor_ones():
+    from normlab.telemetry import l2_norms
+
+    gen = torch.Generator().manual_seed(0)
+    model = GPT(tiny_config("rms", "pre"))
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * 10 ** torch.randint(-4, 4, (), generator=gen).item()
+    tensors = [p.grad for p in model.parameters()] + [None, torch.zeros(3)]
+    want = torch.tensor([0.0 if t is None else torch.linalg.vector_norm(t, dtype=torch.float32).item() for t in tensors])
+    torch.testing.assert_close(l2_norms(tensors), want, rtol=1e-6, atol=0)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from normlab.config import NORMS
 
@@ -131,3 +132,9 @@ def test_plot_xiong2020_reads_a_real_sweep(tmp_path):
     assert len(re.findall(r"^\s+(pre|post)\s+\S+\s+\d+\s+completed\s+\d", out, re.M)) == 2
     for png in ("xiong2020_grad_init.png", "xiong2020_warmup.png"):
         assert (tmp_path / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it measures for minutes")
+def test_bench_gpu_says_in_one_line_that_there_is_no_gpu(tmp_path):
+    out = script("bench_gpu.py", "--rounds", "1", cwd=tmp_path)
+    assert out.splitlines() == ["bench_gpu: no CUDA device: nothing to measure"]

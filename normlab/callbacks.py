@@ -154,8 +154,9 @@ class ThroughputClock(Callback):
     summary's tokens_per_s is the steady rate: the process's first step (lazy initialization, on CUDA
     the kernels' first launches) and the first `compile_steps` steps that run the compiled model
     (compilation; under CUDA graphs also the graphs' warm-up and capture) are left out; their time is
-    compile_time_s (with compile=true). The summary also gets flops_per_token, and where the device's
-    peak is known mfu (against it); on CUDA the peak memory the run allocated (peak_memory_gib).
+    compile_time_s (with compile=true), and train_time_s counts every step. The summary also gets
+    flops_per_token, where the device's peak is known mfu (against it), and on CUDA the peak memory
+    the run allocated (peak_memory_gib).
     """
 
     name = "throughput"
@@ -199,6 +200,7 @@ class ThroughputClock(Callback):
         else:  # too few steps for a steady state: every step counts
             tokens_per_s = state.tokens / self.train_time if self.train_time > 0 else 0.0
         summary["tokens_per_s"] = tokens_per_s
+        summary["train_time_s"] = round(self.train_time, 3)  # every step's time, warm-up and compilation included
         if self.compile_steps:
             summary["compile_time_s"] = round(self.compile_time, 3)
         if self.flops_per_token is not None:

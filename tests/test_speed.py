@@ -63,3 +63,26 @@ def test_the_flops_formula_is_the_one_bench_uses_and_peaks_are_dense():
 def test_an_unknown_compile_mode_is_refused():
     with pytest.raises(ConfigError, match="compile_mode='fast' is not allowed: choose one of default, reduce-overhead"):
         tiny_config("layer", compile_mode="fast")
+
+
+def test_the_clock_leaves_the_first_step_and_compilation_out_of_the_steady_rate(monkeypatch):
+    from types import SimpleNamespace
+
+    import normlab.callbacks as callbacks
+
+    # Step 0 is watched (eager, first in the process), step 1 the first compiled one, then steady steps.
+    durations, watched = [3.0, 10.0, 0.5, 0.5, 0.5], [True, False, False, False, True]
+    now = [0.0]
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: now[0])
+    clock = callbacks.ThroughputClock(100, compile_steps=1, flops_per_token=1e6, peak_flops=1e9)
+    state = SimpleNamespace(tokens=0, watched=False)
+    for seconds, state.watched in zip(durations, watched):
+        clock.on_step_start(state)
+        now[0] += seconds
+        clock.after_optimizer_step(state, None)
+        state.tokens += 100
+    summary = {}
+    clock.on_train_end(state, summary)
+    assert summary["tokens_per_s"] == pytest.approx(300 / 1.5)
+    assert summary["compile_time_s"] == 10.0 and summary["train_time_s"] == 14.5
+    assert summary["mfu"] == pytest.approx(200 * 1e6 / 1e9)

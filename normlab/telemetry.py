@@ -69,12 +69,11 @@ def l2_norms(tensors: list[torch.Tensor | None]) -> torch.Tensor:
     """The L2 norm of each tensor (None: 0) as one float32 vector, computed by fused multi-tensor
     reductions (torch._foreach_norm): a few kernels for all the parameters instead of one or more each."""
     present = [t.detach() for t in tensors if t is not None]
-    norms = torch._foreach_norm(present) if present else []
-    out = torch.zeros(len(tensors), dtype=torch.float32, device=present[0].device if present else None)
-    if len(present) == len(tensors):
-        return torch.stack(norms).float() if norms else out
-    at = torch.tensor([i for i, t in enumerate(tensors) if t is not None], device=out.device)
-    return out.index_copy(0, at, torch.stack(norms).float())
+    if not present:
+        return torch.zeros(len(tensors))
+    norms = iter(torch._foreach_norm(present))
+    zero = torch.zeros((), dtype=present[0].dtype, device=present[0].device)
+    return torch.stack([zero if t is None else next(norms) for t in tensors]).float()
 
 
 def _max_abs(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from .config import NORMS, PLACEMENTS, ConfigError, format_lr
+from .config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, check_norm_knob, format_lr
 
 log = logging.getLogger("normlab")
 
@@ -96,9 +96,37 @@ def _check_value(key: str, value) -> None:
         raise ConfigError(f"telemetry.every={value!r}: must be an integer >= 0 (0 turns telemetry off)")
 
 
-def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = False) -> list[str]:
-    """Reject unknown group options and bad sweep values before Hydra launches any job.
+def _plain_values(override) -> list:
+    """The values one override sets without a config loader: its value, or a choice/range sweep's values.
+    Sweeps that need the sweeper (glob, interval) give none here: check_jobs checks their jobs."""
+    if not override.is_sweep_override():
+        return [override.value()]
+    try:
+        return list(override.sweep_iterator())
+    except Exception:  # glob() lists a group's options through the config loader; interval() is not a list
+        return []
 
+
+def check_values(overrides, config_dirs: list[str]) -> None:
+    """Reject unknown config-group options and bad top-level values among parsed `overrides`
+    (their plain values; see _plain_values). Raises ConfigError naming the value and what is allowed."""
+    for override in overrides:
+        key = override.key_or_group
+        if override.is_delete() or key == "resume":
+            continue
+        for value in _plain_values(override):
+            if key in CONFIG_GROUPS:
+                known = group_options(key, config_dirs)
+                if value not in known:
+                    raise ConfigError(f"{key}={value!r} is not a known option: choose one of {', '.join(sorted(known))}")
+            else:
+                _check_value(key, value)
+
+
+def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = False) -> list[str]:
+    """Reject unknown group options, bad values and bad resume paths on the command line before Hydra starts.
+
+    Sweep values that only Hydra's sweeper can list (glob, interval) are checked per job by check_jobs.
     Returns overrides to add: `resume=PATH` continues that checkpoint's run in its own dir, so
     unless `hydra.run.dir` is given, one pointing there.
     """
@@ -107,35 +135,24 @@ def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = Fals
     from .checkpoint import Checkpoint, CheckpointError, find_checkpoint, run_dir_of
 
     parsed = OverridesParser.create().parse_overrides(overrides)
+    check_values(parsed, config_dirs)
     extra: list[str] = []
-    for override in parsed:
-        key = override.key_or_group
-        if override.is_delete():
-            continue
-        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
-        if key == "resume":
-            paths = [v for v in values if v is not None and v != "auto"]
-            if paths and (multirun or len(values) > 1):
-                raise ConfigError(f"resume={paths[0]}: a checkpoint path resumes one run, not a sweep: use resume=auto")
-            for path in paths:
-                if not isinstance(path, str) or not path.strip():
-                    raise ConfigError(f"resume={path!r}: choose null, auto or a checkpoint path")
-                try:
-                    checkpoint = find_checkpoint(path)
-                    Checkpoint.load(checkpoint)  # a bad file stops here, before Hydra makes a run dir
-                except CheckpointError as err:
-                    raise ConfigError(str(err)) from None
-                run_dir = run_dir_of(checkpoint)
-                if run_dir is not None and not any(o.key_or_group == "hydra.run.dir" for o in parsed):
-                    extra.append("hydra.run.dir=" + _quoted(str(run_dir)))
-        elif key in CONFIG_GROUPS:
-            known = group_options(key, config_dirs)
-            for v in values:
-                if v not in known:
-                    raise ConfigError(f"{key}={v!r} is not a known option: choose one of {', '.join(sorted(known))}")
-        else:
-            for v in values:
-                _check_value(key, v)
+    for override in (o for o in parsed if o.key_or_group == "resume" and not o.is_delete()):
+        values = _plain_values(override)
+        paths = [v for v in values if v is not None and v != "auto"]
+        if paths and (multirun or len(values) > 1):
+            raise ConfigError(f"resume={paths[0]}: a checkpoint path resumes one run, not a sweep: use resume=auto")
+        for path in paths:
+            if not isinstance(path, str) or not path.strip():
+                raise ConfigError(f"resume={path!r}: choose null, auto or a checkpoint path")
+            try:
+                checkpoint = find_checkpoint(path)
+                Checkpoint.load(checkpoint)  # a bad file stops here, before Hydra makes a run dir
+            except CheckpointError as err:
+                raise ConfigError(str(err)) from None
+            run_dir = run_dir_of(checkpoint)
+            if run_dir is not None and not any(o.key_or_group == "hydra.run.dir" for o in parsed):
+                extra.append("hydra.run.dir=" + _quoted(str(run_dir)))
     return extra
 
 
@@ -143,39 +160,54 @@ def _quoted(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def sweep_jobs(overrides: list[str]) -> list[list[str]]:
-    """The override lists of the jobs a basic-sweeper multirun launches: the cartesian product of the
-    discrete sweeps, as Hydra's BasicSweeper makes it (a later value of a key replaces an earlier one).
-    Keys swept by ranges or intervals, which only a search sweeper expands, are left out."""
-    from itertools import product
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
+
+def sweep_jobs(overrides: list[str], config_loader=None) -> list[list[str]]:
+    """The override lists of the jobs Hydra's BasicSweeper launches for `overrides` (its sweeper params
+    first), expanded by the sweeper's own split logic: choice, range and, given the config loader, glob.
+    Raises ConfigError for a sweep the basic sweeper cannot expand (interval: a search sweeper's)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
 
-    choices: dict[str, list[str]] = {}
-    for override in OverridesParser.create().parse_overrides(overrides):
-        key = override.get_key_element()
+    parsed = OverridesParser.create(config_loader=config_loader).parse_overrides(overrides)
+    try:
+        [jobs] = BasicSweeper.split_arguments(parsed, None)
+    except HydraException as err:
+        swept = next(o for o in parsed if o.is_sweep_override() and not o.is_discrete_sweep())
+        raise ConfigError(f"{swept.input_line}: {err}; a search sweeper expands it (hydra/sweeper=lr_search or optuna)") from None
+    return jobs
+
+
+def _search_sweep_checks(parser, overrides: list[str], config_dirs: list[str]) -> list[list[str]]:
+    """For a search sweeper (Optuna), which draws its trials as it goes: check each listed value of the
+    discrete sweeps on its own, and return the one job of the fixed part to compose. Each trial's whole
+    config is checked as the trial starts (_task), before anything heavy."""
+    parsed = parser.parse_overrides(overrides)
+    for override in parsed:
         if override.is_discrete_sweep():
-            choices[key] = [f"{key}={v}" for v in override.sweep_string_iterator()]
-        elif override.is_sweep_override():
-            choices.pop(key, None)
-        else:
-            choices[key] = [f"{key}={override.get_value_element_as_str()}"]
-    return [list(job) for job in product(*choices.values())]
+            for value in override.sweep_string_iterator():
+                check_values(parser.parse_overrides([f"{override.get_key_element()}={value}"]), config_dirs)
+    return [[o.input_line for o in parsed if not o.is_sweep_override()]]
 
 
 def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> None:
     """Compose every job the command line asks for and validate its whole config.
 
-    So a combination that makes no sense (placement=deepnorm with norm=none, ...)
-    stops the command before any job runs, instead of aborting a sweep halfway.
-    A multirun's jobs include the sweeps a preset puts in hydra.sweeper.params.
-    Raises ConfigError naming the first bad job. A config Hydra itself cannot
-    compose is left for Hydra to report when it runs.
+    So a bad value in a sweep list, or a combination that makes no sense (placement=deepnorm with
+    norm=none, ...), stops the command before any job runs, instead of aborting a sweep halfway.
+    A multirun's jobs are those the configured sweeper makes: the basic sweeper's are expanded by its
+    own split logic (with the sweeps a preset puts in hydra.sweeper.params); a search sweeper's fixed
+    part is checked here and each trial as it starts. A `norm.KNOB=...` override must name a knob that
+    each job's norm reads. Raises ConfigError naming the first bad job.
+    A config Hydra itself cannot compose is left for Hydra to report when it runs.
     """
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path
     from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
 
     from .config import RunConfig
@@ -188,18 +220,15 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
         hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
         jobs = [list(overrides)]
         if multirun:
-            sweep_cfg = hydra.compose_config("config", overrides, run_mode=RunMode.MULTIRUN, from_shell=True)
+            forced = _norm_knob_overrides(list(overrides))[1]
+            sweep_cfg = hydra.compose_config("config", forced, run_mode=RunMode.MULTIRUN, from_shell=True)
             params = [f"{k}={v}" for k, v in (sweep_cfg.hydra.sweeper.get("params") or {}).items()]
-            jobs = sweep_jobs(params + list(overrides))
+            if sweep_cfg.hydra.sweeper.get("_target_") == BASIC_SWEEPER:
+                jobs = sweep_jobs(params + list(overrides), hydra.config_loader)
+            else:
+                jobs = _search_sweep_checks(OverridesParser.create(config_loader=hydra.config_loader), list(overrides), config_dirs)
         for job in jobs:
-            cfg = hydra.compose_config("config", job, run_mode=RunMode.RUN, from_shell=True)
-            with open_dict(cfg):
-                del cfg["hydra"]
-            raw = OmegaConf.to_container(cfg, resolve=True)
-            try:
-                RunConfig.from_dict(raw)
-            except ConfigError as err:
-                raise ConfigError(f"{err} (in the sweep's job {' '.join(job)})" if multirun else str(err)) from None
+            _check_job(hydra, job, config_dirs, multirun, RunConfig)
     except ConfigError:
         raise
     except Exception:
@@ -208,10 +237,51 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
         GlobalHydra.instance().clear()
 
 
+def _norm_knob_overrides(job: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """The `norm.KNOB=VALUE` overrides of `job` as (knob, value), and `job` with them forced (`++`).
+
+    Forced, they compose even where the chosen norm's file lacks the knob (Hydra would stop with its
+    own multi-line error), so `check_jobs` can say in one line which knobs that norm has.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    knobs, forced = [], []
+    for text, override in zip(job, OverridesParser.create().parse_overrides(job)):
+        key = override.key_or_group
+        if key.startswith("norm.") and key != "norm.name" and not override.is_delete() and override.package is None:
+            value = text.split("=", 1)[1]  # as typed: norm.weight=false, not False
+            knobs.append((key[len("norm.") :], value))
+            text = f"++{key}={value}"
+        forced.append(text)
+    return knobs, forced
+
+
+def _check_job(hydra, job: list[str], config_dirs: list[str], multirun: bool, run_config) -> None:
+    """Check one job's values, compose its config and validate it; ConfigError names the job in a sweep."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    where = f" (in the sweep's job {' '.join(job)})" if multirun else ""
+    try:
+        check_values(OverridesParser.create().parse_overrides(job), config_dirs)
+        knobs, forced = _norm_knob_overrides(job)
+        cfg = hydra.compose_config("config", forced, run_mode=RunMode.RUN, from_shell=True)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        raw = OmegaConf.to_container(cfg, resolve=True)
+        if raw.get("norm", {}).get("name") in NORM_TRAITS:
+            for knob, value in knobs:
+                check_norm_knob(raw["norm"]["name"], knob, value)
+        run_config.from_dict(raw)
+    except ConfigError as err:
+        raise ConfigError(f"{err}{where}") from None
+
+
 def run_train(argv: list[str]) -> int:
     """`normlab train ARGS`: run Hydra with ARGS; returns the process exit code."""
     from hydra._internal.utils import get_args_parser
 
+    argv = [_experiment_override(arg) for arg in argv]
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help:
         # Help needs Hydra alone: importing torch (through distributed) would cost seconds.
@@ -240,6 +310,7 @@ def run_train(argv: list[str]) -> int:
         if not distributed.is_main():
             argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]  # rank 0 writes the run dir's files
     sys.argv = ["normlab train", *argv]
+    _register_launcher()
     try:
         _hydra_main()
     finally:
@@ -259,6 +330,21 @@ def _slurm_preflight(overrides: list[str], config_dirs: list[str]) -> str | None
     if refusal is None:
         slurm.quiet_sacct()
     return refusal
+
+
+def _register_launcher() -> None:
+    """Make normlab's launcher (hydra/launcher=normlab, the default) known to Hydra. Hydra finds plugins by
+    walking the hydra_plugins package, which misses one in an editable install (`pip install -e .`)."""
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.normlab_launcher.normlab_launcher import NormlabLauncher
+
+    Plugins.instance().register(NormlabLauncher)
+
+
+def _experiment_override(arg: str) -> str:
+    """`+experiment=NAME` as `experiment=NAME`: the defaults list has an experiment slot (null), so Hydra
+    would refuse to append one; lightning-hydra-template users type it either way."""
+    return arg[1:] if arg.startswith("+experiment=") else arg
 
 
 def _fail(err) -> int:

@@ -15,8 +15,6 @@ from typing import Any, Mapping, get_args, get_origin, get_type_hints
 
 from .sinks import SINKS
 
-NORMS = ("none", "layer", "rms", "batch", "dyt", "scale", "l2")
-PLACEMENTS = ("pre", "post", "sandwich", "deepnorm", "mix")
 INITS = ("normal", "xavier")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -32,6 +30,94 @@ class ConfigError(ValueError):
     """A run configuration that cannot be trained; the message is one line."""
 
 
+@dataclass(frozen=True)
+class NormTraits:
+    """One norm's row in the registry: what every layer outside its module needs to know about it.
+
+    The module itself is `normlab.norms.<classes[0]>`; it is named here, not imported, so the
+    registry (and config validation) needs no torch.
+    """
+
+    title: str  # the norm's usual name in prose: 'LayerNorm'
+    knobs: tuple[str, ...] = ()  # the NormConfig fields it reads; any other knob is an error
+    classes: tuple[str, ...] = ()  # its module classes in normlab.norms, the first builds it; none: nn.Identity
+    batch_statistics: bool = False  # statistics across the batch, not per token: not causal in training
+    gains: tuple[str, ...] = ()  # parameters that scale its output (telemetry: norm/gain_mean, norm/gain_std)
+    alphas: tuple[str, ...] = ()  # learnable input scales (telemetry: norm/alpha)
+
+    @property
+    def per_token(self) -> bool:
+        """Each token is normalized on its own, so it is causal in training and has a per-head form (QK-norm)."""
+        return not self.batch_statistics
+
+    @property
+    def ddp_sync(self) -> bool:
+        """Under DDP its statistics must span every process's rows (unless norm.sync=false)."""
+        return self.batch_statistics
+
+
+# The norm registry: one row per `norm.name`. Adding a norm: its class in norms.py, a row here,
+# conf/norm/<name>.yaml and its row in README's norms table (tests/test_registry.py checks all four).
+NORM_TRAITS: dict[str, NormTraits] = {
+    "none": NormTraits("no norm", knobs=("eps",)),  # eps: QK-norm's RMSNorm under norm=none
+    "layer": NormTraits("LayerNorm", ("eps", "weight", "bias"), ("LayerNorm",), gains=("weight",)),
+    "rms": NormTraits("RMSNorm", ("eps", "weight"), ("RMSNorm",), gains=("weight",)),
+    "batch": NormTraits(
+        "BatchNorm",
+        ("eps", "momentum", "weight", "bias", "sync", "causal"),
+        ("BatchNorm", "CausalBatchNorm"),
+        batch_statistics=True,
+        gains=("weight",),
+    ),
+    "dyt": NormTraits(
+        "DyT", ("alpha_attn", "alpha_mlp", "alpha_final", "weight", "bias"), ("DyT",), gains=("weight",), alphas=("alpha",)
+    ),
+    "scale": NormTraits("ScaleNorm", ("eps",), ("ScaleNorm",), gains=("g",)),
+    "l2": NormTraits("L2 norm", ("eps",), ("L2Norm",)),
+}
+NORMS = tuple(NORM_TRAITS)
+GAIN_PARAMS = tuple(dict.fromkeys(p for t in NORM_TRAITS.values() for p in t.gains))
+ALPHA_PARAMS = tuple(dict.fromkeys(p for t in NORM_TRAITS.values() for p in t.alphas))
+# Structural knobs the label names when they differ from the default (only for norms that read them).
+LABEL_SUFFIXES = (("weight", False, "_noweight"), ("bias", False, "_nobias"), ("causal", True, "_causal"))
+
+
+def norm_traits(name: str) -> NormTraits:
+    """The registry row of norm `name`; ValueError naming the known norms otherwise."""
+    if name not in NORM_TRAITS:
+        raise ValueError(f"unknown norm {name!r}: choose one of {', '.join(NORMS)}")
+    return NORM_TRAITS[name]
+
+
+def check_norm_knob(norm: str, knob: str, value: Any) -> None:
+    """ConfigError naming the knob, the norm and its knobs, unless norm `norm` reads `knob`."""
+    knobs = norm_traits(norm).knobs
+    if knob not in knobs:
+        shown = str(value).lower() if isinstance(value, bool) else value
+        raise ConfigError(
+            f"norm.{knob}={shown}: norm={norm} has no knob {knob!r}; its knobs are {', '.join(knobs) or 'none'}"
+        )
+
+
+@dataclass(frozen=True)
+class PlacementTraits:
+    """Which norm slots around each sublayer f a placement fills, and how it scales the residual."""
+
+    slots: tuple[str, ...]  # of 'pre' (before f), 'branch' (after f, before the add), 'post' (after the add)
+    deepnorm: bool = False  # residual × α = (2N)^(1/4), and β = (8N)^(-1/4) on the init (Wang et al. 2022)
+    leading: str | None = None  # mix: the first ⌊mix_p·depth⌋ blocks take this placement instead
+
+
+PLACEMENT_TRAITS: dict[str, PlacementTraits] = {
+    "pre": PlacementTraits(("pre",)),
+    "post": PlacementTraits(("post",)),
+    "sandwich": PlacementTraits(("pre", "branch")),
+    "deepnorm": PlacementTraits(("post",), deepnorm=True),
+    "mix": PlacementTraits(("pre",), leading="post"),
+}
+PLACEMENTS = tuple(PLACEMENT_TRAITS)
+
+
 def bookkeeping(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
     """A schema field that changes no number of the run's result: its name, where it runs, what it
     logs and where it writes. Such a field may change when a run resumes, and two runs that differ
@@ -41,7 +127,7 @@ def bookkeeping(default: Any = dataclasses.MISSING, *, default_factory: Any = da
 
 @dataclass
 class NormConfig:
-    """One norm type and its knobs; knobs a norm does not have are ignored by it."""
+    """One norm type and its knobs; `NORM_TRAITS[name].knobs` are the ones the norm reads."""
 
     name: str = "layer"
     eps: float = 1e-5
@@ -61,14 +147,9 @@ class NormConfig:
         Structural knobs that are switched off show in the label, so two arms that
         differ in them never share a run name.
         """
-        label = self.name
-        if not self.weight and self.name in ("layer", "rms", "batch", "dyt"):
-            label += "_noweight"
-        if not self.bias and self.name in ("layer", "batch", "dyt"):
-            label += "_nobias"
-        if self.causal and self.name == "batch":
-            label += "_causal"
-        return label
+        knobs = NORM_TRAITS[self.name].knobs if self.name in NORM_TRAITS else ()
+        suffixes = (suffix for knob, value, suffix in LABEL_SUFFIXES if knob in knobs and getattr(self, knob) == value)
+        return self.name + "".join(suffixes)
 
 
 @dataclass
@@ -217,13 +298,13 @@ class RunConfig:
         """
         if not self.qk_norm:
             return None
-        if self.norm.name == "none":
+        if not NORM_TRAITS[self.norm.name].classes:
             return dataclasses.replace(self.norm, name="rms", weight=True)
         return self.norm
 
     def validate(self) -> None:
-        _choice("norm.name", self.norm.name, NORMS)
-        _choice("placement", self.placement, PLACEMENTS)
+        _choice("norm.name", self.norm.name, tuple(NORM_TRAITS))
+        _choice("placement", self.placement, tuple(PLACEMENT_TRAITS))
         _choice("init", self.init, INITS)
         _choice("precision", self.precision, PRECISIONS)
         _choice("device", self.device, DEVICES)
@@ -285,6 +366,7 @@ class RunConfig:
                 f"seq_len={self.seq_len} is larger than the model's context (model.context={self.model.context}): "
                 "lower seq_len or raise model.context"
             )
+        self._validate_norm_knobs()
         self._validate_combination()
         self._validate_data()
         if self.data.source == "text" and not self.data.files:
@@ -318,26 +400,38 @@ class RunConfig:
                 "use data.val_fraction"
             )
 
+    def _validate_norm_knobs(self) -> None:
+        """A knob the norm does not read must keep its default: a set one would be silently ignored.
+
+        A knob at its default is fine, so a config that lists every knob (a saved run's) still loads.
+        """
+        defaults = NormConfig()
+        for f in fields(NormConfig):
+            value = getattr(self.norm, f.name)
+            if f.name != "name" and value != getattr(defaults, f.name):
+                check_norm_knob(self.norm.name, f.name, value)
+
     def _validate_combination(self) -> None:
         """Reject norm × placement × QK-norm combinations that make no sense, saying why."""
-        norm = self.norm.name
-        if self.placement == "deepnorm" and norm == "none":
+        norm, traits = self.norm.name, NORM_TRAITS[self.norm.name]
+        if PLACEMENT_TRAITS[self.placement].deepnorm and not traits.classes:
             raise ConfigError(
-                "placement=deepnorm with norm=none: DeepNorm up-weights the residual by α=(2N)^(1/4) in every "
-                "sublayer and relies on the norm after each add to undo it; choose a norm, or placement=post"
+                f"placement={self.placement} with norm={norm}: DeepNorm up-weights the residual by α=(2N)^(1/4) in "
+                "every sublayer and relies on the norm after each add to undo it; choose a norm, or placement=post"
             )
-        if self.qk_norm and norm == "batch":
+        qk_norms = ", ".join(n for n, t in NORM_TRAITS.items() if t.classes and t.per_token and t.gains)
+        if self.qk_norm and not traits.per_token:
             raise ConfigError(
-                "qk_norm=true with norm=batch: BatchNorm is not a per-token norm, so it has no per-head form "
-                "for queries and keys; use a per-token norm (layer, rms, dyt, scale) or qk_norm=false"
+                f"qk_norm=true with norm={norm}: {traits.title} is not a per-token norm, so it has no per-head form "
+                f"for queries and keys; use a per-token norm ({qk_norms}) or qk_norm=false"
             )
-        if self.qk_norm and norm == "l2":
+        if self.qk_norm and traits.classes and not traits.gains:
             raise ConfigError(
-                "qk_norm=true with norm=l2: unit-length queries and keys with no learnable gain bound every "
-                "attention logit by 1/sqrt(head_dim), so attention cannot sharpen; use norm=scale (L2 with a "
-                "learnable gain) or qk_norm=false"
+                f"qk_norm=true with norm={norm}: normalized queries and keys with no learnable gain have a fixed "
+                "length, which bounds every attention logit, so attention cannot sharpen; use a norm with a "
+                f"learnable gain ({qk_norms}) or qk_norm=false"
             )
-        if norm == "batch":
+        if traits.batch_statistics:
             # Each statistic needs at least two values: over the micro-batch at one position when
             # causal, over micro-batch × time otherwise.
             values = self.micro_batch_size * (1 if self.norm.causal else self.seq_len)

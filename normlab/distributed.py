@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import ConfigError, RunConfig
-from .norms import BatchNorm, CausalBatchNorm
+from .norms import needs_ddp_sync
 
 
 def is_active() -> bool:
@@ -138,7 +138,7 @@ def wrap(model: nn.Module, device: torch.device, sync_batchnorm: bool) -> nn.Mod
         return model
     if sync_batchnorm:
         for module in model.modules():
-            if isinstance(module, (BatchNorm, CausalBatchNorm)):
+            if needs_ddp_sync(module):
                 module.process_group = dist.group.WORLD
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 

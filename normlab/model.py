@@ -7,7 +7,7 @@ A placement is nothing but which norm slots around a sublayer f are filled:
 
 `pre` fills the pre slot, `post` the post slot, `sandwich` the pre and branch
 slots, `deepnorm` the post slot with α = (2N)^(1/4), and `mix` the post slot in
-its first ⌊pN⌋ blocks and the pre slot in the rest. QK-norm is orthogonal: a
+its first ⌊pN⌋ blocks and the pre slot in the rest (config.PLACEMENT_TRAITS). QK-norm is orthogonal: a
 per-head norm on queries and keys (`attn.q_norm`, `attn.k_norm`). Module names
 are stable across arms (`blocks.3.norm1`, `blocks.3.norm1_out`, `blocks.3.attn`,
 `blocks.3.mlp`, `norm_f`); an unused slot holds `nn.Identity`. The model knows
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import NormConfig, RunConfig
+from .config import PLACEMENT_TRAITS, NormConfig, RunConfig
 from .norms import build_norm
 
 
@@ -54,18 +54,13 @@ def mix_post_blocks(depth: int, p: float) -> int:
 
 def block_slots(placement: str, layer: int, depth: int, mix_p: float = 0.25) -> Slots:
     """The slots that `placement` fills in block `layer` (0-based) of a `depth`-block model."""
-    if placement == "pre":
-        return Slots(pre=True, post=False)
-    if placement == "post":
-        return Slots(pre=False, post=True)
-    if placement == "sandwich":
-        return Slots(pre=True, post=False, branch=True)
-    if placement == "deepnorm":
-        return Slots(pre=False, post=True, alpha=deepnorm_alpha(depth))
-    if placement == "mix":
-        post = layer < mix_post_blocks(depth, mix_p)
-        return Slots(pre=not post, post=post)
-    raise ValueError(f"unknown placement {placement!r}")
+    if placement not in PLACEMENT_TRAITS:
+        raise ValueError(f"unknown placement {placement!r}")
+    traits = PLACEMENT_TRAITS[placement]
+    if traits.leading is not None and layer < mix_post_blocks(depth, mix_p):
+        traits = PLACEMENT_TRAITS[traits.leading]
+    alpha = deepnorm_alpha(depth) if traits.deepnorm else 1.0
+    return Slots(pre="pre" in traits.slots, post="post" in traits.slots, alpha=alpha, branch="branch" in traits.slots)
 
 
 def has_final_norm(placement: str, depth: int = 1, mix_p: float = 0.25) -> bool:
@@ -154,7 +149,7 @@ class GPT(nn.Module):
         self.norm_f = build_norm(cfg.norm, m.d_model, "final", m.context) if final else nn.Identity()
         self.head = nn.Linear(m.d_model, m.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied output head
-        beta = deepnorm_beta(cfg.depth) if cfg.placement == "deepnorm" else 1.0
+        beta = deepnorm_beta(cfg.depth) if PLACEMENT_TRAITS[cfg.placement].deepnorm else 1.0
         init_weights(self, cfg.init, cfg.depth, beta)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,10 @@
 
 Every norm acts on the last dimension of a (..., d) tensor, computes in float32
 and casts back, so mixed precision never changes its arithmetic. `build_norm`
-is the one factory; `norm=none` gives `nn.Identity`, so every ablation arm has
-the same module tree. Learnable gains are named `weight` (per feature), `alpha`
-(DyT's scalar) and `g` (ScaleNorm's scalar), which telemetry relies on.
+is the one factory: it builds the class that the norm's registry row
+(`config.NORM_TRAITS`) names; `norm=none` gives `nn.Identity`, so every ablation
+arm has the same module tree. The row also names each norm's gain parameters,
+which telemetry reports.
 """
 
 from __future__ import annotations
@@ -15,10 +16,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import NormConfig
+from .config import NORM_TRAITS, NormConfig, norm_traits
+
+# Every Norm subclass by class name: the registry rows name their classes, build_norm finds them here.
+NORM_CLASSES: dict[str, type["Norm"]] = {}
 
 
-class LayerNorm(nn.Module):
+class Norm(nn.Module):
+    """A normalization module that `build_norm` makes; its registry row names its class."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        NORM_CLASSES[cls.__name__] = cls
+
+    @classmethod
+    def from_config(cls, cfg: NormConfig, dim: int, role: str, positions: int | None) -> "Norm":
+        """The module `cfg` asks for: by default the constructor takes the norm's knobs as keywords."""
+        return cls(dim, **{knob: getattr(cfg, knob) for knob in NORM_TRAITS[cfg.name].knobs})
+
+
+class LayerNorm(Norm):
     """y = γ ⊙ (x − μ) / sqrt(σ² + ε) + β over the last dim (Ba et al. 2016); biased variance."""
 
     def __init__(self, dim: int, eps: float = 1e-5, weight: bool = True, bias: bool = True):
@@ -36,7 +53,7 @@ class LayerNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}, weight={self.weight is not None}, bias={self.bias is not None}"
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Norm):
     """y = w ⊙ x / sqrt(mean(x²) + ε) (Zhang & Sennrich 2019), ε inside the root as in torch.nn.RMSNorm."""
 
     def __init__(self, dim: int, eps: float = 1e-5, weight: bool = True):
@@ -52,7 +69,7 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}, weight={self.weight is not None}"
 
 
-class BatchNorm(nn.Module):
+class BatchNorm(Norm):
     """y = γ ⊙ (x − μ_B) / sqrt(σ²_B + ε) + β with statistics per feature over every
     position of the batch (batch × time); running statistics in eval mode (Ioffe & Szegedy 2015).
 
@@ -74,6 +91,15 @@ class BatchNorm(nn.Module):
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
         self.process_group = None
 
+    @classmethod
+    def from_config(cls, cfg: NormConfig, dim: int, role: str, positions: int | None) -> Norm:
+        """BatchNorm, or with norm.causal=true CausalBatchNorm over `positions` positions (the model's context)."""
+        if not cfg.causal:
+            return cls(dim, cfg.eps, cfg.momentum, cfg.weight, cfg.bias)
+        if positions is None:
+            raise ValueError("causal BatchNorm keeps statistics per position: build_norm needs `positions`")
+        return CausalBatchNorm(dim, positions, cfg.eps, cfg.momentum, cfg.weight, cfg.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.num_batches_tracked.add_(1)
@@ -91,7 +117,7 @@ class BatchNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}, momentum={self.momentum}, affine={self.weight is not None}"
 
 
-class CausalBatchNorm(nn.Module):
+class CausalBatchNorm(Norm):
     """BatchNorm with statistics per feature *and per position*, over the batch only (never across time).
 
     For x of shape (B, T, d), position t is normalized with the mean and biased
@@ -137,7 +163,7 @@ class CausalBatchNorm(nn.Module):
         )
 
 
-class DyT(nn.Module):
+class DyT(Norm):
     """Dynamic Tanh, y = γ ⊙ tanh(α x) + β with α one learnable scalar (Zhu et al. 2025)."""
 
     def __init__(self, dim: int, alpha: float = 0.5, weight: bool = True, bias: bool = True):
@@ -146,6 +172,12 @@ class DyT(nn.Module):
         self.alpha = nn.Parameter(torch.tensor(float(alpha)))
         self.weight = nn.Parameter(torch.ones(dim)) if weight else None
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    @classmethod
+    def from_config(cls, cfg: NormConfig, dim: int, role: str, positions: int | None) -> Norm:
+        """DyT with the initial α of its slot's role."""
+        alpha = {"attn": cfg.alpha_attn, "mlp": cfg.alpha_mlp, "final": cfg.alpha_final}[role]
+        return cls(dim, alpha, cfg.weight, cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.tanh(self.alpha.float() * x.float())
@@ -159,7 +191,7 @@ class DyT(nn.Module):
         return f"{self.dim}, weight={self.weight is not None}, bias={self.bias is not None}"
 
 
-class ScaleNorm(nn.Module):
+class ScaleNorm(Norm):
     """ScaleNorm, y = g · x / max(‖x‖₂, ε) with g one learnable scalar, g₀ = sqrt(d) (Nguyen & Salazar 2019)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
@@ -174,7 +206,7 @@ class ScaleNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}"
 
 
-class L2Norm(nn.Module):
+class L2Norm(Norm):
     """Unit length, y = x / max(‖x‖₂, ε); no parameters."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
@@ -258,28 +290,19 @@ def build_norm(cfg: NormConfig, dim: int, role: str = "attn", positions: int | N
     """
     if role not in NORM_ROLES:
         raise ValueError(f"unknown norm role {role!r}: choose one of {', '.join(NORM_ROLES)}")
-    if cfg.name == "none":
+    classes = norm_traits(cfg.name).classes
+    if not classes:
         return nn.Identity()
-    if cfg.name == "layer":
-        return LayerNorm(dim, cfg.eps, cfg.weight, cfg.bias)
-    if cfg.name == "rms":
-        return RMSNorm(dim, cfg.eps, cfg.weight)
-    if cfg.name == "batch" and cfg.causal:
-        if positions is None:
-            raise ValueError("causal BatchNorm keeps statistics per position: build_norm needs `positions`")
-        return CausalBatchNorm(dim, positions, cfg.eps, cfg.momentum, cfg.weight, cfg.bias)
-    if cfg.name == "batch":
-        return BatchNorm(dim, cfg.eps, cfg.momentum, cfg.weight, cfg.bias)
-    if cfg.name == "dyt":
-        alpha = {"attn": cfg.alpha_attn, "mlp": cfg.alpha_mlp, "final": cfg.alpha_final}[role]
-        return DyT(dim, alpha, cfg.weight, cfg.bias)
-    if cfg.name == "scale":
-        return ScaleNorm(dim, cfg.eps)
-    if cfg.name == "l2":
-        return L2Norm(dim, cfg.eps)
-    raise ValueError(f"unknown norm {cfg.name!r}")
+    return NORM_CLASSES[classes[0]].from_config(cfg, dim, role, positions)
 
 
 def is_norm(module: nn.Module) -> bool:
     """True for the modules `build_norm` makes (excluding the identity)."""
-    return isinstance(module, (LayerNorm, RMSNorm, BatchNorm, CausalBatchNorm, DyT, ScaleNorm, L2Norm))
+    return isinstance(module, Norm)
+
+
+def needs_ddp_sync(module: nn.Module) -> bool:
+    """True for a norm module whose registry row says DDP must sync its statistics (BatchNorm's)."""
+    return is_norm(module) and any(
+        traits.ddp_sync and type(module).__name__ in traits.classes for traits in NORM_TRAITS.values()
+    )

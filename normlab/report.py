@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .analysis import Comparison, mean_std
-from .config import format_lr
+from .config import NORM_TRAITS, format_lr
 from .plots import Plot
 
 MISSING = "—"
@@ -134,11 +134,12 @@ def seeds_section(comparison: Comparison) -> list[str]:
 
 def plots_section(comparison: Comparison, plots: list[Plot]) -> list[str]:
     lines = ["## Plots", "", "Colour: norm; line style: placement. Diverged runs end at the last step before divergence (×)."]
-    if any(run.norm == "batch" for run in comparison.runs):
-        lines.append(
-            "BatchNorm's training loss is not causal (batch statistics include later tokens): compare BatchNorm "
-            "arms by validation loss."
-        )
+    for name, traits in NORM_TRAITS.items():
+        if traits.batch_statistics and any(run.norm == name for run in comparison.runs):
+            lines.append(
+                f"{traits.title}'s training loss is not causal (batch statistics include later tokens): compare "
+                f"{traits.title} arms by validation loss."
+            )
     for plot in plots:
         lines += ["", f"### {plot.title[0].upper()}{plot.title[1:]}", ""]
         lines.append(f"Not drawn: {plot.skipped}." if plot.skipped else f"![{plot.title}]({plot.file})")

@@ -33,6 +33,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .config import ALPHA_PARAMS, GAIN_PARAMS
 from .keys import layer_key, layer_label
 
 # Attention statistics are taken on the first sequences of the step's first micro-batch: the
@@ -40,10 +41,9 @@ from .keys import layer_key, layer_label
 # whatever grad_accum is.
 ATTN_PROBE_SEQS = 8
 
-# Norm parameters whose mean and std are the norm's gain (γ / w of LayerNorm, RMSNorm, BatchNorm;
-# ScaleNorm's scalar g), and DyT's scalar α.
-GAIN_PARAMS = ("weight", "g")
-ALPHA_PARAM = "alpha"
+# The norm registry names the parameters whose mean and std are a norm's gain (GAIN_PARAMS), and
+# DyT's scalar α, reported as norm/alpha: one name for every norm that has one.
+(ALPHA_PARAM,) = ALPHA_PARAMS
 
 def attention_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The maximum pre-softmax logit q·k/sqrt(head_dim) over causal (query, key) pairs, and the

@@ -106,7 +106,7 @@ def reference_gpt(cfg) -> nn.Module:
     """The hand-written GPT at the config's shapes, with torch's LayerNorm (RMSNorm for norm=rms)."""
     norm = nn.RMSNorm if cfg.norm.name == "rms" else nn.LayerNorm
     m = cfg.model
-    return RefGPT(m.vocab_size or 256, m.context, m.d_model, m.n_head, cfg.depth, norm)
+    return RefGPT(m.vocab_size, m.context, m.d_model, m.n_head, cfg.depth, norm)
 
 
 def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device,
@@ -312,7 +312,10 @@ def compose(overrides: list[str]):
 
     with initialize_config_module(config_module="normlab.conf", version_base="1.3"):
         cfg = hydra_compose("config", overrides=overrides)  # without the hydra node
-    return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    if cfg.model.vocab_size is None:  # the presets follow the tokenizer; the benchmark trains on bytes
+        cfg.model.vocab_size = 256
+    return cfg
 
 
 VARIANTS = {

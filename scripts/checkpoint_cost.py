@@ -39,6 +39,7 @@ def main() -> None:
     raw = yaml.safe_load(conf.read_text())
     # The preset's keys at the top level too: tiny sets seq_len below the default, to fit its context.
     cfg = RunConfig.from_dict({key: raw[key] for key in ("depth", "seq_len", "model") if key in raw})
+    cfg.model.vocab_size = cfg.model.vocab_size or 256  # the presets follow the tokenizer: the byte one's here
     state, callbacks = build(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         writer = Checkpointer(tmp, cfg, wandb_run_id="x", corpus_sha256="0" * 64)

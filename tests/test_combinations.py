@@ -110,7 +110,7 @@ def test_every_norm_option_is_named_by_its_label():
 
 
 def test_sweep_jobs_is_the_cartesian_product():
-    jobs = sweep_jobs(["norm=none,layer", "placement=pre,deepnorm", "seed=3", "lr=interval(1e-4,1e-1)", "seed=3"])
+    jobs = sweep_jobs(["norm=none,layer", "placement=pre,deepnorm", "seed=3", "seed=3"])
     assert jobs == [
         ["norm=none", "placement=pre", "seed=3"],
         ["norm=none", "placement=deepnorm", "seed=3"],

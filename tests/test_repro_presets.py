@@ -10,13 +10,13 @@ from normlab.config import RunConfig
 
 def _preset_jobs(name: str, *overrides: str) -> tuple[dict, list[RunConfig]]:
     """The preset's hydra.sweeper.params, and a validated RunConfig for every job that
-    `normlab train -m +experiment=NAME OVERRIDES...` launches (command-line sweeps included)."""
+    `normlab train -m experiment=NAME OVERRIDES...` launches (command-line sweeps included)."""
     register_resolvers()
     with initialize_config_module("normlab.conf", version_base="1.3"):
-        sweep = compose("config", overrides=[f"+experiment={name}"], return_hydra_config=True)
+        sweep = compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
         params = dict(sweep.hydra.sweeper.params)
         jobs = []
-        for job in sweep_jobs([f"{k}={v}" for k, v in params.items()] + [f"+experiment={name}", *overrides]):
+        for job in sweep_jobs([f"{k}={v}" for k, v in params.items()] + [f"experiment={name}", *overrides]):
             cfg = compose("config", overrides=job)
             with open_dict(cfg):
                 cfg.pop("hydra", None)
@@ -41,7 +41,7 @@ def test_xiong2020_init_sweep_of_the_script_is_one_step_per_seed_and_placement()
     _, jobs = _preset_jobs("xiong2020", *overrides)
     assert sorted((j.placement, j.seed) for j in jobs) == sorted((p, s) for p in ("pre", "post") for s in range(8))
     assert all(j.max_steps == 1 and j.init == "xavier" and j.depth == 12 for j in jobs)
-    check_jobs(["+experiment=xiong2020", *overrides], [], multirun=True)  # what `normlab train -m` checks first
+    check_jobs(["experiment=xiong2020", *overrides], [], multirun=True)  # what `normlab train -m` checks first
 
 
 def test_dyt_vs_norm_is_three_norms_at_two_lrs_in_the_pre_placement():
@@ -56,4 +56,4 @@ def test_dyt_vs_norm_is_three_norms_at_two_lrs_in_the_pre_placement():
 
 @pytest.mark.parametrize("name", ["xiong2020", "dyt_vs_norm"])
 def test_the_preset_passes_normlab_trains_own_check(name):
-    check_jobs([f"+experiment={name}"], [], multirun=True)
+    check_jobs([f"experiment={name}"], [], multirun=True)

@@ -44,6 +44,18 @@ def test_a_diverging_job_is_recorded_and_the_sweep_exits_0(tmp_path):
     assert all(r["step"] < s["diverged_step"] for r in rows[:-1])
     for d, _ in runs.values():
         assert _wandb_exit_code(d) == 0  # finished; divergence is an outcome, not a failure
+    # What the sweep says: a line per job as it ends, then every job, best final val loss first.
+    sweep_dir = d.parent
+    for d, s in runs.values():
+        loss = "-" if s["final_val_loss"] is None else f"{s['final_val_loss']:.4f}"
+        assert f"{s['name']}: {s['status']}, final val loss {loss}, " in result.stdout
+    table = result.stdout[result.stdout.index("sweep: 3 jobs (2 completed, 1 diverged), best first"):]
+    names = [line.split()[1] for line in table.splitlines()[2:5]]
+    completed = sorted((s["final_val_loss"], s["name"]) for _, s in runs.values() if s["status"] == "completed")
+    assert names == [n for _, n in completed] + ["none-pre-d2-lr1e5-s0"]
+    assert "DIVERGED" in table.splitlines()[4]
+    assert f"next: normlab compare {sweep_dir.relative_to(tmp_path)}" in table
+    assert (sweep_dir / "sweep.log").read_text().strip().endswith(table.strip())
 
 
 @no_cuda
@@ -59,6 +71,8 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert json.loads((runs[1] / "summary.json").read_text())["status"] == "completed"
     assert _wandb_exit_code(runs[1]) == 0
     assert "failed: RuntimeError" in result.stderr
+    assert "sweep: 2 jobs (1 completed, 1 failed)" in result.stdout
+    [failed_row] = [line for line in result.stdout.splitlines() if runs[0].name in line and "FAILED" in line]
 
 
 @no_cuda
@@ -124,9 +138,9 @@ def test_experiment_presets_compose_to_their_sweeps():
 
     register_resolvers()
     with initialize_config_module("normlab.conf", version_base="1.3"):
-        grid = compose("config", overrides=["+experiment=norm_grid"], return_hydra_config=True)
-        lrs = compose("config", overrides=["+experiment=lr_sweep"], return_hydra_config=True)
-        depth = compose("config", overrides=["+experiment=depth_sweep"], return_hydra_config=True)
+        grid = compose("config", overrides=["experiment=norm_grid"], return_hydra_config=True)
+        lrs = compose("config", overrides=["experiment=lr_sweep"], return_hydra_config=True)
+        depth = compose("config", overrides=["experiment=depth_sweep"], return_hydra_config=True)
     assert dict(grid.hydra.sweeper.params) == {"norm": "none,layer,rms,batch", "placement": "pre,post"}
     assert lrs.hydra.sweeper.params.lr == "3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1"
     assert depth.hydra.sweeper.params.depth == "2,4,8,16"

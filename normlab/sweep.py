@@ -1,0 +1,132 @@
+"""What a sweep found: one line per job as it ends, and a table of all jobs when the sweep ends.
+
+`SweepReport` is a Hydra callback (conf/hydra/callbacks/sweep_report.yaml), so it works under every
+launcher: the basic one, normlab's concurrent one, joblib's, submitit's. It reads each job's
+summary.json (what train() writes at the end of a run), never the training loop's internals, and
+writes the same text to the terminal and to `<sweep dir>/sweep.log`.
+
+Imports stay light (no torch): Hydra instantiates the callback before any job runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+LOG_NAME = "sweep.log"
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    """The run's summary.json, or None when the job ended before train() wrote one."""
+    try:
+        return json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _loss(summary: dict | None) -> float:
+    value = (summary or {}).get("final_val_loss")
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
+
+
+def _status(summary: dict | None, fallback: str) -> str:
+    return (summary or {}).get("status") or fallback
+
+
+def _job_num(run_dir: Path) -> str:
+    """A sweep job's number: the prefix of its dir name (hydra.sweep.subdir is `<num>_<run name>`)."""
+    head = run_dir.name.split("_", 1)[0]
+    return head if head.isdigit() else "?"
+
+
+def job_line(run_dir: Path, fallback_status: str = "failed", seconds: float | None = None) -> str:
+    """One line for a job that ended: number, run name, status, final validation loss, wall time, run dir.
+
+    `fallback_status` is the status when the job wrote no summary.json; `seconds` the job's own
+    wall time when the caller measured it (else summary.json's wall_time_s)."""
+    run_dir = Path(run_dir)
+    summary = read_summary(run_dir)
+    name = (summary or {}).get("name") or run_dir.name
+    loss = _loss(summary)
+    wall = seconds if seconds is not None else (summary or {}).get("wall_time_s")
+    wall_text = f"{wall:.1f} s" if isinstance(wall, (int, float)) else "-"
+    loss_text = f"{loss:.4f}" if math.isfinite(loss) else "-"
+    return (f"job {_job_num(run_dir)} {name}: {_status(summary, fallback_status)}, "
+            f"final val loss {loss_text}, {wall_text}, {_shown(run_dir)}")
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working dir when it lies below it (Hydra's job dirs are absolute)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(os.getcwd()).resolve()))
+    except ValueError:
+        return str(path)
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """The sweep's job dirs: its subdirs that hold a summary.json or a .hydra dir (a job that ended early)."""
+    return sorted(
+        (d for d in Path(sweep_dir).iterdir() if d.is_dir() and ((d / "summary.json").exists() or (d / ".hydra").is_dir())),
+        key=lambda d: (int(_job_num(d)) if _job_num(d).isdigit() else math.inf, d.name),
+    )
+
+
+def sweep_table(sweep_dir: Path) -> str:
+    """Every job of the sweep, best final validation loss first (diverged, failed and unfinished jobs last,
+    their status in capitals), then the sweep dir and the `normlab compare` command to run next."""
+    rows = []
+    for d in job_dirs(sweep_dir):
+        summary = read_summary(d)
+        status = _status(summary, "failed")
+        loss = _loss(summary)
+        wall = (summary or {}).get("wall_time_s")
+        rows.append((math.isnan(loss), loss, _job_num(d), (summary or {}).get("name") or d.name,
+                     status if status == "completed" else status.upper(),
+                     f"{loss:.4f}" if math.isfinite(loss) else "-",
+                     f"{wall:.1f}" if isinstance(wall, (int, float)) else "-", d.name))
+    rows.sort(key=lambda r: (r[0], r[1], int(r[2]) if r[2].isdigit() else math.inf))
+    header = ("job", "run", "status", "final val loss", "wall s", "dir")
+    cells = [header, *(r[2:] for r in rows)]
+    widths = [max(len(str(c[i])) for c in cells) for i in range(len(header))]
+    lines = ["  ".join(str(c[i]).ljust(widths[i]) for i in range(len(header))).rstrip() for c in cells]
+    counts = {}
+    for r in rows:
+        counts[r[4].lower()] = counts.get(r[4].lower(), 0) + 1
+    tally = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return "\n".join([
+        f"sweep: {len(rows)} jobs ({tally}), best first",
+        *lines,
+        f"sweep dir: {sweep_dir}",
+        f"next: normlab compare {sweep_dir}",
+    ])
+
+
+def report(text: str, sweep_dir: Path) -> None:
+    """Print `text` and append it to the sweep's log file (one write, so concurrent jobs' lines stay whole)."""
+    print(text, flush=True)
+    sweep_dir = Path(sweep_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    with open(sweep_dir / LOG_NAME, "a") as log:
+        log.write(text + "\n")
+
+
+class SweepReport(Callback):
+    """Hydra callback: in a multirun, a line per job as it ends and the sorted table when the sweep ends."""
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        from hydra.core.utils import JobStatus
+        from hydra.types import RunMode
+
+        if config.hydra.mode != RunMode.MULTIRUN:
+            return
+        fallback = "completed" if job_return.status == JobStatus.COMPLETED else "failed"
+        report(job_line(Path(config.hydra.runtime.output_dir), fallback), Path(config.hydra.sweep.dir))
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if sweep_dir.is_dir():
+            report(sweep_table(sweep_dir), sweep_dir)

@@ -1,0 +1,69 @@
+"""Sweep throughput of hydra/launcher=normlab: one sweep at several jobs per GPU, timed, results compared.
+
+    python scripts/sweep_bench.py [--per-gpu 1,2,4,8] [OVERRIDE ...]
+
+Default sweep: issue 13's 8-arm `norm=none,layer,rms,batch placement=pre,post model=medium max_steps=300`
+(on one H100: 106 s one job at a time; the target is <= 20 s). Each setting runs as the real command
+with `hydra.launcher.jobs_per_gpu=K`; the script prints its wall time, the jobs' own time in train()
+(summary.json's wall_time_s) and the overhead around it per job, and checks that every setting's final
+validation losses equal the first setting's (same jobs, seeds and batches). Set CUDA_VISIBLE_DEVICES to
+choose the GPUs (e.g. 0 then 0,1 for the scaling over GPUs). Without a GPU the launcher runs the
+jobs one after another whatever K, so use `hydra.launcher.cpu_jobs=K` overrides there instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from startup import ENV, normlab_command
+
+SWEEP = ["norm=none,layer,rms,batch", "placement=pre,post", "model=medium", "max_steps=300"]
+
+
+def run_sweep(normlab: list[str], overrides: list[str], sweep_dir: Path) -> tuple[float, dict[str, dict]]:
+    """Wall seconds of the sweep command, and each job's summary.json by run name."""
+    import subprocess
+
+    start = time.perf_counter()
+    subprocess.run([*normlab, "train", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"], env=ENV, check=True,
+                   stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    jobs = {}
+    for path in sweep_dir.rglob("summary.json"):
+        if "wandb" not in path.parts:
+            summary = json.loads(path.read_text())
+            jobs[summary["name"]] = summary
+    return wall, jobs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="normlab overrides (default: the issue's 8-arm medium sweep)")
+    parser.add_argument("--per-gpu", default="1,2,4,8", help="jobs_per_gpu settings to time, comma-separated")
+    args = parser.parse_args()
+    normlab = normlab_command()
+    overrides = args.overrides or SWEEP
+    reference = None
+    print(f"sweep: {' '.join(overrides)}; CUDA_VISIBLE_DEVICES={ENV.get('CUDA_VISIBLE_DEVICES', '(all)')}")
+    with tempfile.TemporaryDirectory() as tmp:
+        # Warm the token cache and the kernels' first-use costs out of the timings.
+        run_sweep(normlab, [o.split(",")[0] for o in overrides] + ["max_steps=2"], Path(tmp) / "warm")
+        for k in (int(v) for v in args.per_gpu.split(",")):
+            wall, jobs = run_sweep(normlab, [*overrides, f"hydra.launcher.jobs_per_gpu={k}"], Path(tmp) / f"k{k}")
+            losses = {name: s["final_val_loss"] for name, s in jobs.items()}
+            reference = reference or losses
+            in_train = sum(s["wall_time_s"] for s in jobs.values())
+            same = "equal" if losses == reference else f"DIFFER from jobs_per_gpu={args.per_gpu.split(',')[0]}"
+            statuses = sorted({s["status"] for s in jobs.values()})
+            print(f"jobs_per_gpu={k}: {wall:6.1f} s wall for {len(jobs)} jobs ({', '.join(statuses)}); "
+                  f"{in_train:6.1f} s of job time in train(); final val losses {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

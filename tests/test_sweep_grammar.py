@@ -1,0 +1,76 @@
+"""Hydra's sweep grammar through the real `normlab train -m`: glob, range, Optuna's interval, presets
+without '+', and a bad value inside a sweep refused before any job trains."""
+
+import json
+
+import pytest
+
+from test_cli import TINY, normlab, run_dirs
+
+
+def _runs(root):
+    return sorted(json.loads((d / "summary.json").read_text())["name"] for d in run_dirs(root))
+
+
+def test_glob_with_exclude_and_range_sweep(tmp_path):
+    result = normlab(
+        "train", "-m", "norm=glob(*,exclude=[batch*,none,layer*,l2,dyt,scale,rms_noweight])", "seed=range(1,3)",
+        *TINY, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _runs(tmp_path / "outputs") == ["rms-pre-d2-lr3e-3-s1", "rms-pre-d2-lr3e-3-s2"]
+
+
+def test_optuna_interval_sweep_with_two_trials(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    result = normlab(
+        "train", "-m", "hydra/sweeper=lr_search", "lr=tag(log,interval(1e-4,1e-1))", "hydra.sweeper.n_trials=2",
+        *TINY, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs(tmp_path / "outputs")]
+    assert len(summaries) == 2 and all(s["status"] == "completed" for s in summaries)
+    assert all(1e-4 <= s["lr"] <= 1e-1 for s in summaries) and summaries[0]["lr"] != summaries[1]["lr"]
+    best = min(s["final_val_loss"] for s in summaries)
+    assert f"Best value: {best}" in result.stdout + result.stderr
+
+
+def _preset(tmp_path, sweep: str) -> None:
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "pair.yaml").write_text(
+        "# @package _global_\nlr: 1e-3\nhydra:\n  sweeper:\n    params:\n" + sweep
+    )
+
+
+def test_experiment_preset_without_plus(tmp_path):
+    _preset(tmp_path, "      norm: layer,rms\n")
+    result = normlab("train", "-m", "--config-dir", "conf", "experiment=pair", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _runs(tmp_path / "outputs") == ["layer-pre-d2-lr1e-3-s0", "rms-pre-d2-lr1e-3-s0"]
+
+
+def test_experiment_preset_with_plus_is_the_same_preset(tmp_path):
+    _preset(tmp_path, "      placement: pre,middle\n")
+    result = normlab("train", "-m", "--config-dir", "conf", "+experiment=pair", *TINY, cwd=tmp_path)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("normlab: error: placement='middle' is not allowed")
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize(
+    "sweep, message",
+    [
+        # glob expands to every norm, none among them: a job the sweeper makes is refused, named.
+        (["norm=glob(*,exclude=batch*)", "placement=deepnorm"], "norm=none placement=deepnorm)"),
+        (["seq_len=16,512"], "seq_len=512 is larger than the model's context"),
+        (["lr=interval(1e-4,1e-1)"], "lr=interval(1e-4,1e-1): BasicSweeper does not support sweep type"),
+    ],
+)
+def test_a_bad_job_in_a_sweep_stops_it_before_any_job_trains(tmp_path, sweep, message):
+    tiny = [o for o in TINY if not o.startswith("seq_len=")]
+    result = normlab("train", "-m", *tiny, *sweep, cwd=tmp_path)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("normlab: error: ") and message in line
+    assert not (tmp_path / "outputs").exists()

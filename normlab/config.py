@@ -18,6 +18,7 @@ from .sinks import SINKS
 INITS = ("normal", "xavier")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes; reduce-overhead: CUDA graphs
 DATA_SOURCES = ("stdlib", "text", "hf")
 TOKENIZERS = ("byte", "bpe", "hf")
 BPE_VOCAB_RANGE = (257, 65536)  # the 256 bytes plus at least one merge; ids fit in uint16
@@ -257,6 +258,10 @@ class RunConfig:
     device: str = bookkeeping("auto")
     compile: bool = bookkeeping(False)  # torch.compile the model for the training steps that take no telemetry
     tf32: bool = bookkeeping(True)  # CUDA only: float32 matmuls on TF32 tensor cores (Ampere and later)
+    compile_mode: str = bookkeeping("default")  # with compile=true: torch.compile's mode (reduce-overhead: CUDA graphs)
+    # Deterministic kernels (torch.use_deterministic_algorithms): like tf32 and compile, it changes how the
+    # same computation is rounded, never the experiment, so it is bookkeeping: a resumed run may change it.
+    deterministic: bool = bookkeeping(False)
     diverge_factor: float = 3.0  # stop as diverged when the loss exceeds this × the initial loss; 0: only NaN/inf
     fail_fast: bool = bookkeeping(False)  # in a multirun, stop the sweep at the first failed job
     progress: bool = bookkeeping(True)
@@ -324,6 +329,7 @@ class RunConfig:
         _choice("init", self.init, INITS)
         _choice("precision", self.precision, PRECISIONS)
         _choice("device", self.device, DEVICES)
+        _choice("compile_mode", self.compile_mode, COMPILE_MODES)
         _choice("data.source", self.data.source, DATA_SOURCES)
         if self.wandb.mode is not None:
             _choice("wandb.mode", self.wandb.mode, WANDB_MODES)

@@ -66,15 +66,17 @@ def export_slurm_tasks() -> None:
 
 def init_from_env() -> bool:
     """Join the process group torchrun (or a SLURM job of several tasks, see `export_slurm_tasks`)
-    describes in the environment; False (and nothing done) without one."""
+    describes in the environment; False (and nothing done) without one.
+
+    It touches no CUDA device: the run's device is not known yet (Hydra composes the config later).
+    `local_device` picks this rank's GPU once the run's device is CUDA, so `device=cpu` runs gloo
+    alone even on a host with fewer GPUs than ranks. Object collectives and barriers of a
+    "cpu:gloo,cuda:nccl" group go through gloo; NCCL starts at the first CUDA collective.
+    """
     export_slurm_tasks()
     if not launched_by_torchrun() or is_active():
         return is_active()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("cpu:gloo,cuda:nccl")
-    else:
-        dist.init_process_group("gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return True
 
 
@@ -85,9 +87,12 @@ def shutdown() -> None:
 
 
 def local_device(device: torch.device) -> torch.device:
-    """Under torchrun each process drives the GPU of its LOCAL_RANK."""
+    """Under torchrun each process drives the GPU of its LOCAL_RANK: for a CUDA run it becomes the
+    current device here. Any other device is returned as it is, and CUDA is left alone."""
     if device.type == "cuda" and is_active():
-        return torch.device("cuda", torch.cuda.current_device())
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local)
+        return local
     return device
 
 

@@ -65,6 +65,17 @@ def _l2(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.detach(), dtype=torch.float32)
 
 
+def l2_norms(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    """The L2 norm of each tensor (None: 0) as one float32 vector, computed by fused multi-tensor
+    reductions (torch._foreach_norm): a few kernels for all the parameters instead of one or more each."""
+    present = [t.detach() for t in tensors if t is not None]
+    if not present:
+        return torch.zeros(len(tensors))
+    norms = iter(torch._foreach_norm(present))
+    zero = torch.zeros((), dtype=present[0].dtype, device=present[0].device)
+    return torch.stack([zero if t is None else next(norms) for t in tensors]).float()
+
+
 def _max_abs(x: torch.Tensor) -> torch.Tensor:
     # Not vector_norm(ord=inf): on the CPU it is ~20x slower than a max and a min.
     x = x.detach()
@@ -101,9 +112,9 @@ class Probe:
         self._calls: dict[str, list[tuple[torch.Tensor, int]]] = {}  # RMS keys: (L2 norm, numel) per hooked call
         self._maxima: dict[str, list[torch.Tensor]] = {}
         self._scalars: dict[str, torch.Tensor] = {}  # finished statistics (attention, norm parameters)
-        self._grad_norms: list[torch.Tensor] = []  # per parameter, aligned with self._params
-        self._weight_norms: list[torch.Tensor] = []
-        self._before: list[torch.Tensor] = []
+        self._grad_norms: torch.Tensor | None = None  # one entry per parameter, aligned with self._params
+        self._weight_norms: torch.Tensor | None = None
+        self._before: torch.Tensor | None = None  # the weights before the update, all in one flat copy
         self._scale: torch.Tensor | None = None
         self._qk: dict[str, torch.Tensor] = {}
 
@@ -248,15 +259,14 @@ class Probe:
         The residual-stream gradients were captured during backward with the loss scaled by the
         GradScaler; its current scale is kept (as a device tensor: no host sync) to divide them by.
         """
-        zero = torch.zeros((), device=self._params[0].device)
-        self._grad_norms = [zero if p.grad is None else _l2(p.grad) for p in self._params]
+        self._grad_norms = l2_norms([p.grad for p in self._params])
         self._scale = scaler.scale(torch.ones((), device=self._params[0].device))
 
     @torch.no_grad()
     def before_update(self) -> None:
         """Snapshot the weights (for the update ratios) and measure the norms' parameters. Call just before the optimizer step."""
-        self._before = [p.detach().clone() for p in self._params]
-        self._weight_norms = [_l2(p) for p in self._before]
+        self._before = torch.cat([p.detach().reshape(-1) for p in self._params])
+        self._weight_norms = l2_norms(list(self._params))
         for loc, norm in self._norms.items():
             for name, param in norm.named_parameters(recurse=False):
                 if name in GAIN_PARAMS:
@@ -276,23 +286,26 @@ class Probe:
         Call after the optimizer step: the update ratio ‖ΔW‖/‖W‖ is over the step just taken.
         All device values reach the host in one transfer.
         """
-        deltas = [_l2(p - b) for p, b in zip(self._params, self._before)] if self._before else []
+        deltas = None
+        if self._before is not None:
+            before = [b.view_as(p) for b, p in zip(self._before.split([p.numel() for p in self._params]), self._params)]
+            deltas = l2_norms(torch._foreach_sub([p.detach() for p in self._params], before))
+        vectors = {"grad": self._grad_norms, "weight": self._weight_norms, "delta": deltas}
         parts: dict[str, list[torch.Tensor]] = {
             **{f"calls:{k}": [n for n, _ in calls] for k, calls in self._calls.items()},
             **{f"max:{k}": v for k, v in self._maxima.items()},
             **{f"scalar:{k}": [v] for k, v in self._scalars.items()},
-            "grad": self._grad_norms,
-            "weight": self._weight_norms,
-            "delta": deltas,
+            **{name: [] if v is None else [v] for name, v in vectors.items()},
             "scale": [] if self._scale is None else [self._scale],
         }
-        flat = [t.float() for ts in parts.values() for t in ts]
-        host_values = torch.stack(flat).tolist() if flat else []  # the one host transfer
+        flat = [t.float().reshape(-1) for ts in parts.values() for t in ts]
+        host_values = torch.cat(flat).tolist() if flat else []  # the one host transfer
         host: dict[str, list[float]] = {}
         offset = 0
         for name, ts in parts.items():
-            host[name] = host_values[offset : offset + len(ts)]
-            offset += len(ts)
+            size = sum(t.numel() for t in ts)
+            host[name] = host_values[offset : offset + size]
+            offset += size
         stats = self._combine(host)
         self._reset()
         return stats

@@ -13,7 +13,8 @@ So step 0 is initialization, and the final evaluation is logged at step max_step
 Telemetry steps (0, every telemetry.every steps, max_steps - 1) are always logged steps.
 
 Speed: with `compile=true` the other training steps run a torch.compile'd module, while
-watched (telemetry) steps and evaluation run the eager one (hooks attach to eager modules). The
+watched (telemetry) steps and evaluation run the eager one (hooks attach to eager modules);
+`compile_mode=reduce-overhead` also captures the compiled steps in CUDA graphs (compile_model). The
 host reads device values (`.item()`) on logged steps only, each batch is drawn, pinned and copied
 (non-blocking) while the previous step may still run on the device, and under DDP the ranks agree
 on a preemption request every PREEMPT_CHECK_EVERY steps (callbacks.py), not with a collective per step.
@@ -47,6 +48,7 @@ from .callbacks import (
 from .checkpoint import Checkpoint, CheckpointError, Checkpointer, resolve_resume, rewind
 from .config import RunConfig
 from .data import Corpus, bits_per_byte, eval_batches, load_corpus, model_vocab_size, sample_batch, target_bytes
+from .flops import model_flops_per_token, peak_flops
 from .model import GPT
 from . import preempt
 from .preempt import Preempted
@@ -123,6 +125,45 @@ def configure_matmul(device: torch.device, tf32: bool) -> None:
         return
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
+
+
+# The values of CUBLAS_WORKSPACE_CONFIG under which cuBLAS is deterministic (CUDA's documentation).
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+
+
+def configure_determinism(deterministic: bool) -> None:
+    """With `deterministic`, torch runs deterministic kernels only (an op that has none raises) and cuBLAS
+    a fixed workspace, so a run on a GPU repeats its numbers, and a killed and resumed run the rows of an
+    uninterrupted one. Without, torch's fastest kernels. Process-wide, and set for every run, so a
+    sweep's next job undoes it. cuBLAS reads its workspace setting at its first call in the process:
+    this runs before the run's first matmul, and a deterministic run sets it where it is unset.
+    On the CPU, normlab's ops are deterministic either way."""
+    if deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_DETERMINISTIC:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def compile_model(net: nn.Module, mode: str):
+    """`net` compiled with torch.compile's `mode` (config key compile_mode). Under reduce-overhead torch
+    captures the compiled forward and backward in CUDA graphs (on CUDA; elsewhere it compiles alone):
+    every call then starts a new graph step, since the loop reads a call's outputs before the next call
+    and keeps none of them longer."""
+    fast = torch.compile(net, mode=None if mode == "default" else mode)
+    if mode != "reduce-overhead":
+        return fast
+
+    def graphed(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        return fast(*args)
+
+    return graphed
+
+
+def compile_steps(cfg: RunConfig, device: torch.device) -> int:
+    """How many of the first compiled steps are compilation (and, under CUDA graphs, warm-up and capture)."""
+    if not cfg.compile:
+        return 0
+    return 2 if cfg.compile_mode == "reduce-overhead" and device.type == "cuda" else 1
 
 
 # glibc's mallopt parameters (malloc.h) and the values normlab sets.
@@ -406,7 +447,8 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
         DivergenceGuard(cfg.diverge_factor, device),
         BatchNormSteps(state.model, cfg),  # before telemetry, which reads the step's running statistics
         Telemetry(Probe(state.model, cfg.telemetry.every, cfg.max_steps)),
-        ThroughputClock(cfg.batch_size * cfg.seq_len, compiled=cfg.compile),
+        ThroughputClock(cfg.batch_size * cfg.seq_len, compile_steps(cfg, device), model_flops_per_token(cfg),
+                        peak_flops(device, resolve_precision(cfg.precision, device), cfg.tf32), device),
         TelemetryProducts(sinks),
     ]
     if distributed.is_main():
@@ -426,11 +468,12 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkp
     precision = resolve_precision(cfg.precision, device)
     seed_everything(cfg.seed)
     configure_matmul(device, cfg.tf32)
+    configure_determinism(cfg.deterministic)
     configure_host_allocator()
     state = build_state(cfg, device, precision)
     net = distributed.wrap(state.model, device, sync_batchnorm=cfg.norm.sync)  # the model itself for one process
     # Watched steps and evaluation run eager `net`/`model`; checkpoints hold `model`, so no `_orig_mod.` keys.
-    fast = torch.compile(net) if cfg.compile else net
+    fast = compile_model(net, cfg.compile_mode) if cfg.compile else net
     callbacks = standard_callbacks(cfg, state, sinks, checkpointer, device, extra)
     if resumed is not None:
         resumed.restore(state, callbacks)

@@ -46,6 +46,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from normlab.flops import model_flops_per_token  # noqa: E402
+
 
 def minor_faults() -> int:
     """The process's minor page faults so far: pages the OS had to map (and zero) on first touch."""
@@ -215,13 +217,6 @@ def peak_matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 1024, r
         (a @ b).sum().item()
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best
-
-
-def model_flops_per_token(cfg) -> float:
-    """6·N + 12·L·d·T: N counts the matmul weights (qkv, attention proj, MLP fc and proj, head)."""
-    d, L, T = cfg.model.d_model, cfg.depth, cfg.seq_len
-    n_matmul = L * (4 + 2 * cfg.model.mlp_ratio) * d * d + d * cfg.model.vocab_size
-    return 6 * n_matmul + 12 * L * d * T
 
 
 def norm_cost(cfg, norm: str, device: torch.device, repeats: int = 50) -> float:

@@ -47,7 +47,7 @@ def summaries(root: Path) -> list[dict]:
 
 def step_time(summary: dict) -> float:
     """Seconds of training steps and evaluations: the training itself."""
-    return summary["tokens"] / summary["tokens_per_s"] + summary["eval_time_s"]
+    return summary["train_time_s"] + summary["eval_time_s"]
 
 
 def main() -> int:

@@ -32,6 +32,7 @@ def tiny_config(norm: str = "layer", placement: str = "pre", **overrides) -> Run
         eval_batches=2,
         log_every=1,
         progress=False,
+        device="cpu",  # tests that mean the CPU say so: on a GPU machine `auto` picks CUDA
     )
     for key, value in overrides.items():
         setattr(cfg, key, value)

@@ -14,7 +14,7 @@ from normlab.train import train
 
 # What neither changes the data nor the arithmetic of training.
 BOOKKEEPING = {
-    "name", "progress", "fail_fast", "device", "compile", "tf32", "log_every",
+    "name", "progress", "fail_fast", "device", "compile", "compile_mode", "deterministic", "tf32", "log_every",
     "resume", "overwrite", "ckpt", "wandb", "telemetry", "data.cache_dir", "sinks",
 }  # fmt: skip
 

@@ -23,7 +23,7 @@ from normlab.model import GPT
 from normlab.sinks import MetricsFile, RunDir, Sink
 from normlab.train import build_state, train
 
-TIMING = ("tokens_per_s", "wall_time_s", "eval_time_s", "resumed_from_step")
+TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step")
 
 
 # Bit-exact comparisons need the same reduction order in every run: one torch thread.

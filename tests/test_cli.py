@@ -13,7 +13,7 @@ import pytest
 
 from normlab.config import NORMS, PLACEMENTS
 
-TINY = ["model=tiny", "max_steps=2", "eval_every=1", "eval_batches=1", "batch_size=4", "seq_len=16", "progress=false"]
+TINY = ["model=tiny", "max_steps=2", "eval_every=1", "eval_batches=1", "batch_size=4", "seq_len=16", "progress=false", "device=cpu"]
 
 
 def normlab(*args, cwd, env=None):

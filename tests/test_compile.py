@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_config
 from normlab.checkpoint import Checkpoint, checkpoint_path
-from normlab.config import TelemetryConfig
+from normlab.config import CkptConfig, TelemetryConfig
 from normlab.model import GPT
 from normlab.train import train
 
@@ -57,3 +57,19 @@ def test_compiled_training_matches_eager_keeps_telemetry_and_saves_a_bare_model(
     eager.load_state_dict(state)
     x = torch.randint(0, 256, (2, 16))
     assert torch.isfinite(eager(x)).all()
+
+
+@pytest.mark.slow_compile
+def test_cuda_graph_mode_trains_resumes_and_keeps_telemetry_on_any_device(tmp_path):
+    """compile_mode=reduce-overhead (CUDA graphs on CUDA; the CPU compiles alone): a run killed after its
+    step-2 checkpoint and resumed gives the uninterrupted run's rows, telemetry steps included."""
+    cfg, run_dir, summary, rows = _run(tmp_path, "whole", compile=True, compile_mode="reduce-overhead",
+                                       ckpt=CkptConfig(keep=5))
+    assert summary["status"] == "completed" and summary["compile_time_s"] > 0
+    assert [r["step"] for r in rows if "act/resid_rms/L00" in r] == [0, 3, 4]
+    cut = tiny_config("rms", max_steps=5, eval_every=0, telemetry=TelemetryConfig(every=3), compile=True,
+                      compile_mode="reduce-overhead", resume=str(checkpoint_path(run_dir, 2)))
+    cut.wandb.mode = "disabled"
+    resumed = train(cut, tmp_path / "resumed")
+    assert resumed["resumed_from_step"] == 2
+    assert resumed["final_val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-5)

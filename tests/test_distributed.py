@@ -179,7 +179,7 @@ def test_loss_curves_match_a_single_process_run_with_the_same_global_batch(spawn
 def test_the_real_command_started_rank_by_rank_shares_one_run_dir(tmp_path):
     """As torchrun starts it (RANK, WORLD_SIZE, MASTER_ADDR/PORT), but rank 1 a second and a half later."""
     overrides = ["model=tiny", "batch_size=8", "seq_len=16", f"max_steps={STEPS}", "eval_every=2", "eval_batches=2",
-                 "log_every=1", "progress=false", "wandb.mode=offline"]
+                 "log_every=1", "progress=false", "wandb.mode=offline", "device=cpu"]
     port = free_port()
     procs = []
     for rank in range(WORLD):
@@ -206,3 +206,22 @@ def test_the_real_command_started_rank_by_rank_shares_one_run_dir(tmp_path):
         for k in ("loss", "val_loss"):
             if k in b:
                 assert a[k] == pytest.approx(b[k], rel=2e-5), (a["step"], k)
+
+
+def test_joining_the_group_leaves_cuda_alone_until_the_run_is_on_cuda(monkeypatch):
+    """On a host with CUDA, `torchrun ... device=cpu` must not pick a GPU per rank (1 GPU, 2 ranks:
+    "invalid device ordinal"); a CUDA run drives the GPU of its LOCAL_RANK."""
+    from normlab import distributed
+
+    backends, devices = [], []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: bool(backends))
+    monkeypatch.setattr(distributed.dist, "init_process_group", backends.append)
+    assert distributed.init_from_env()
+    assert backends == ["cpu:gloo,cuda:nccl"] and devices == []
+    assert distributed.local_device(torch.device("cpu")) == torch.device("cpu") and devices == []
+    assert distributed.local_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert devices == [torch.device("cuda", 1)]

@@ -21,7 +21,7 @@ def run_dir(tmp_path_factory):
     text.write_text("def square(x):\n    return x * x\n" * 200, encoding="utf-8")
     out = root / "run"
     args = ["model=tiny", "max_steps=3", "batch_size=4", "seq_len=16", "eval_batches=1", "eval_every=0",
-            "telemetry.every=0", "wandb.mode=disabled", "progress=false", "data=text", f"data.files=[{text}]",
+            "telemetry.every=0", "wandb.mode=disabled", "progress=false", "device=cpu", "data=text", f"data.files=[{text}]",
             f"hydra.run.dir={out}"]
     result = subprocess.run([sys.executable, "-m", "normlab", "train", *args], cwd=root, capture_output=True,
                             text=True, env=dict(os.environ), timeout=600)

@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from normlab.config import NORMS
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 # The smallest config the scripts' Hydra overrides can ask for: a 2-block, 32-wide model, 4 × 16 tokens.
-TINY = ["model=tiny", "batch_size=4", "seq_len=16", "eval_batches=1"]
+TINY = ["model=tiny", "batch_size=4", "seq_len=16", "eval_batches=1", "device=cpu"]
 NUMBER = r"([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
 
 
@@ -135,10 +136,16 @@ def test_plot_xiong2020_reads_a_real_sweep(tmp_path):
 
 def test_xiong2020_fig3_tables_the_step0_ffn_gradients_of_both_placements(tmp_path):
     out = script("xiong2020_fig3.py", "--widths", "32", "--seeds", "2", "--out", str(tmp_path / "fig3"),
-                 "depth=2", "seq_len=16", "batch_size=4", cwd=tmp_path)
+                 "depth=2", "seq_len=16", "device=cpu", "batch_size=4", cwd=tmp_path)
     for name in ("Post-LN", "Pre-LN"):
         line = next(l for l in out.splitlines() if l.startswith(f"| 32 | {name} |"))
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[2] == "2"  # both seeds were read back from the runs' telemetry
         first, last, ratio = float(cells[3]), float(cells[4]), float(cells[5])
         assert first > 0 and last > 0 and abs(ratio - last / first) < 0.01 + 0.01 * ratio
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it measures for minutes")
+def test_bench_gpu_says_in_one_line_that_there_is_no_gpu(tmp_path):
+    out = script("bench_gpu.py", "--rounds", "1", cwd=tmp_path)
+    assert out.splitlines() == ["bench_gpu: no CUDA device: nothing to measure"]

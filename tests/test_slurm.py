@@ -24,7 +24,7 @@ from normlab.slurm import refusal_message, refusal_reason
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "slurm_cluster.sh"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread: bit-exact reductions, so SLURM's runs equal local ones
-TINY = ["model=tiny", "batch_size=4", "seq_len=16", "eval_batches=2", "progress=false", "wandb.mode=disabled"]
+TINY = ["model=tiny", "batch_size=4", "seq_len=16", "eval_batches=2", "progress=false", "wandb.mode=disabled", "device=cpu"]
 SHORT = [*TINY, "max_steps=6", "eval_every=3", "log_every=1"]
 # Long enough (several seconds) for the test to signal the job while it trains.
 LONG = [*TINY, "max_steps=800", "eval_every=400", "log_every=50", "ckpt.every=50"]

@@ -460,3 +460,15 @@ def test_block_update_ratio_leaves_out_the_norm_gains():
         attn, mlp = stats["update_ratio/L01/attn"], stats["update_ratio/L01/mlp"]
         assert min(attn, mlp) <= stats["update_ratio/L01"] <= max(attn, mlp)  # a mix of the two, nothing else
     assert ratios["layer"]["update_ratio/L01/norms"] > 0 and "update_ratio/L01/norms" not in ratios["none"]
+
+
+def test_fused_parameter_norms_equal_the_per_tensor_ones():
+    from normlab.telemetry import l2_norms
+
+    gen = torch.Generator().manual_seed(0)
+    model = GPT(tiny_config("rms", "pre"))
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * 10 ** torch.randint(-4, 4, (), generator=gen).item()
+    tensors = [p.grad for p in model.parameters()] + [None, torch.zeros(3)]
+    want = torch.tensor([0.0 if t is None else torch.linalg.vector_norm(t, dtype=torch.float32).item() for t in tensors])
+    torch.testing.assert_close(l2_norms(tensors), want, rtol=1e-6, atol=0)

@@ -56,6 +56,7 @@ def test_every_variant_trains_through_normlab_train(tmp_path):
         "eval_batches=1",
         "log_every=1",
         "progress=false",
+        "device=cpu",
     ]
     env = {**os.environ, "WANDB_MODE": "offline", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)

@@ -1,0 +1,112 @@
+"""On a CUDA GPU (skipped without one): mixed precision, the GradScaler, compile, CUDA graphs,
+deterministic resume, and the memory a sweep's jobs give back. Tiny models: seconds each."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from normlab.checkpoint import checkpoint_path
+from normlab.config import CkptConfig, TelemetryConfig
+from normlab.train import train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda_config(**overrides):
+    cfg = tiny_config("rms", device="cuda", max_steps=6, eval_every=3, telemetry=TelemetryConfig(every=3), **overrides)
+    cfg.wandb.mode = "disabled"
+    return cfg
+
+
+def rows(run_dir):
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").open())}
+
+
+@pytest.fixture
+def exact_fp32():
+    """IEEE float32 matmuls, so CUDA runs compare at fp32 tolerances."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_on_the_gpu_and_reports_its_memory(tmp_path, precision):
+    summary = train(cuda_config(precision=precision), tmp_path)
+    assert summary["status"] == "completed" and summary["device"] == "cuda" and summary["precision"] == precision
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows(tmp_path).values() if "loss" in r)
+    assert summary["peak_memory_gib"] > 0 and summary["flops_per_token"] > 0
+    assert "act/resid_rms/L00" in rows(tmp_path)[3]  # telemetry on a mixed-precision step
+
+
+def test_fp16_scales_the_loss_and_bf16_does_not(tmp_path):
+    scales = {}
+
+    class ScaleSpy:
+        name = "scale_spy"
+
+        def __getattr__(self, hook):
+            return lambda *args: None
+
+        def on_train_end(self, state, summary):
+            scales[summary["precision"]] = (state.scaler.is_enabled(), state.scaler.get_scale())
+
+        def state_dict(self):
+            return {}
+
+    for precision in ("fp16", "bf16"):
+        train(cuda_config(precision=precision), tmp_path / precision, callbacks=[ScaleSpy()])
+    enabled, scale = scales["fp16"]
+    assert enabled and scale >= 1.0
+    assert scales["bf16"][0] is False
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_and_cuda_graph_steps_match_eager(tmp_path, exact_fp32, mode):
+    base = cuda_config(precision="fp32", tf32=False, grad_accum=2)
+    eager = train(base, tmp_path / "eager")
+    fast = train(dataclasses.replace(base, compile=True, compile_mode=mode), tmp_path / mode)
+    assert fast["status"] == "completed" and fast["compile_time_s"] > 0
+    got, want = rows(tmp_path / mode), rows(tmp_path / "eager")
+    assert got.keys() == want.keys()
+    for step, row in want.items():
+        for key in ("loss", "grad_norm", "val_loss", "grad/norm/L00"):
+            if key in row:
+                assert got[step][key] == pytest.approx(row[key], rel=1e-4), (step, key)
+    assert fast["final_val_loss"] == pytest.approx(eager["final_val_loss"], rel=1e-4)
+
+
+def test_cuda_graphs_keep_divergence_detection(tmp_path):
+    cfg = cuda_config(precision="bf16", lr=1e5, compile=True, compile_mode="reduce-overhead", eval_every=0)
+    cfg.norm.name, cfg.optim.warmup_steps, cfg.optim.grad_clip = "none", 0, 0.0
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "diverged" and 0 < summary["diverged_step"] <= 6
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_deterministic_resume_repeats_the_uninterrupted_rows(tmp_path, exact_fp32, compiled):
+    cfg = cuda_config(precision="bf16", deterministic=True, compile=compiled, ckpt=CkptConfig(every=3, keep=5))
+    train(cfg, tmp_path / "whole")
+    resumed = dataclasses.replace(cfg, resume=str(checkpoint_path(tmp_path / "whole", 3)))
+    assert train(resumed, tmp_path / "resumed")["resumed_from_step"] == 3
+    whole, again = rows(tmp_path / "whole"), rows(tmp_path / "resumed")
+    for step in range(3, cfg.max_steps + 1):
+        for key in ("loss", "grad_norm", "val_loss", "grad/norm/L00", "update_ratio/L01"):
+            if key in whole[step]:
+                assert again[step][key] == whole[step][key], (step, key)
+
+
+def test_a_sweeps_jobs_give_their_gpu_memory_back(tmp_path):
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    peaks = []
+    for seed in range(3):
+        summary = train(cuda_config(precision="bf16", seed=seed), tmp_path / str(seed))
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - baseline < 2**20, f"job {seed} left memory allocated"
+        peaks.append(summary["peak_memory_gib"])
+    assert max(peaks) <= 1.05 * min(peaks)  # every job's peak is its own, not the sweep's so far

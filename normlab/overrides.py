@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf, open_dict
 
-from .config import ConfigError, schema_keys, unknown_key_message
+from .config import NORM_TRAITS, ConfigError, check_norm_knob, schema_keys, unknown_key_message
 
 # Hydra plugins by the group options that need them: (the plugin's module, normlab's pip extra).
 PLUGINS = {
@@ -169,10 +169,15 @@ def _explain(err: Exception, job: list[str], parsed: list, loader, groups: set[s
             if group not in groups:
                 return f"{line}: {key} is not in the composed config; set it with +{line}"
             rest = [o for o in job if o != line]
-            choices = loader.load_configuration(config_name, rest, run_mode=RunMode.RUN, from_shell=True).hydra.runtime.choices
-            chosen = choices.get(group)
+            cfg = loader.load_configuration(config_name, rest, run_mode=RunMode.RUN, from_shell=True)
+            chosen = cfg.hydra.runtime.choices.get(group)
             having = [f"{group}={o}" for o in loader.get_group_options(group) if _option_has(loader, group, o, leaf)]
             where = f"choose an option that has it: {', '.join(having)}" if having else f"no {group} option has it"
+            if group == "norm" and cfg.norm.get("name") in NORM_TRAITS:
+                try:  # the norm registry says which knobs this norm reads
+                    check_norm_knob(cfg.norm.name, leaf, line.split("=", 1)[1])  # as typed: false, not False
+                except ConfigError as refusal:
+                    return f"{refusal}; {where}"
             return f"{line}: {group}={chosen} has no key {leaf}; {where}"
         if f"An item is already at '{key}'" in message:
             return f"{line}: {key} is already in the config: write {line.lstrip('+')} (without +) to change it"

@@ -29,7 +29,7 @@ NAMES = {"post": "Post-LN", "pre": "Pre-LN"}
 def sweep_command(width: int, seeds: int, sweep_dir: Path, overrides: list[str]) -> list[str]:
     """The init-only sweep at one width: both placements, one step per seed, step 0 telemetered."""
     return [
-        "normlab", "train", "-m", "+experiment=xiong2020", f"model.d_model={width}", f"hydra.sweep.dir={sweep_dir}",
+        sys.executable, "-m", "normlab", "train", "-m", "experiment=xiong2020", f"model.d_model={width}", f"hydra.sweep.dir={sweep_dir}",
         "max_steps=1", "optim.warmup_steps=0", "eval_every=0", "eval_batches=1", "progress=false", "sinks=[jsonl]",
         "seed=" + ",".join(str(s) for s in range(seeds)), *overrides,
     ]

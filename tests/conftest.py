@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-from normlab.config import NORMS, PLACEMENTS, ConfigError, ModelConfig, NormConfig, RunConfig  # noqa: E402
+from normlab.config import NORMS, PLACEMENTS, ConfigError, DataConfig, ModelConfig, NormConfig, RunConfig  # noqa: E402
 
 
 def tiny_config(norm: str = "layer", placement: str = "pre", **overrides) -> RunConfig:
@@ -65,3 +65,14 @@ def one_thread():
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Token caches go to a per-session temp dir, never to ~/.cache."""
     monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def text_data(tmp_path):
+    """A small local corpus (about 40 kB of varied bytes), cached under tmp_path."""
+    rng = torch.Generator().manual_seed(0)
+    words = ["norm", "layer", "residual", "gradient", "attention", "block", "stream", "(x)", "\n", "= 0.5;"]
+    picks = torch.randint(0, len(words), (8000,), generator=rng).tolist()
+    path = tmp_path / "corpus.txt"
+    path.write_text(" ".join(words[i] for i in picks))
+    return DataConfig(source="text", files=[str(path)], cache_dir=str(tmp_path / "cache"))

@@ -60,7 +60,7 @@ def trained(cwd) -> list:
         # a key the chosen group option does not have
         (["data.files=[a.txt]"], ["data=stdlib has no key files", "data=text"]),
         (["+data.files=[a.txt]"], ["data.files is set, but data=stdlib does not read it", "add data=text"]),
-        (["norm=rms", "norm.momentum=0.5"], ["norm=rms has no key momentum", "norm=batch"]),
+        (["norm=rms", "norm.momentum=0.5"], ["norm=rms has no knob 'momentum'", "norm=batch"]),
         (["tokenizer.name=gpt2"], ["tokenizer=byte has no key name", "tokenizer=hf"]),
         # the command line's shape
         (["lr=1e-3,3e-3"], ["lr=1e-3,3e-3 is a sweep", "add -m"]),

@@ -15,16 +15,6 @@ from normlab.norms import BatchNorm, CausalBatchNorm, build_norm
 from normlab.train import train
 
 
-@pytest.fixture
-def text_data(tmp_path):
-    """A small local corpus of varied bytes."""
-    rng = torch.Generator().manual_seed(0)
-    words = ["norm", "layer", "residual", "gradient", "attention", "block", "stream", "(x)", "\n", "= 0.5;"]
-    picks = torch.randint(0, len(words), (8000,), generator=rng).tolist()
-    path = tmp_path / "corpus.txt"
-    path.write_text(" ".join(words[i] for i in picks))
-    return DataConfig(source="text", files=[str(path)], cache_dir=str(tmp_path / "cache"))
-
 
 class KeepModel(Callback):
     """Keeps the trained model's buffers at the end of the run."""

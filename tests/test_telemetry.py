@@ -19,16 +19,6 @@ from normlab.train import loss_fn, lr_at, param_groups, seed_everything, train
 TELEMETRY_FAMILIES = ("act/", "grad/resid_rms/", "grad/norm/", "grad/embed", "grad/norm_f", "update_ratio/", "norm/", "attn/")
 
 
-@pytest.fixture
-def text_data(tmp_path):
-    """A small local corpus (about 40 kB of varied bytes), cached under tmp_path."""
-    rng = torch.Generator().manual_seed(0)
-    words = ["norm", "layer", "residual", "gradient", "attention", "block", "stream", "(x)", "\n", "= 0.5;"]
-    picks = torch.randint(0, len(words), (8000,), generator=rng).tolist()
-    path = tmp_path / "corpus.txt"
-    path.write_text(" ".join(words[i] for i in picks))
-    return DataConfig(source="text", files=[str(path)], cache_dir=str(tmp_path / "cache"))
-
 
 def run(cfg: RunConfig, tmp_path, name: str = "run") -> list[dict]:
     """Train `cfg` with wandb off; return the records of metrics.jsonl."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from normlab import data, tokenizer
-from normlab.config import ConfigError, DataConfig, RunConfig, TokenizerConfig
+from normlab.config import ConfigError, DataConfig, ModelConfig, RunConfig, TokenizerConfig
 from normlab.data import DataError, bits_per_byte, eval_batches, load_corpus, model_vocab_size, target_bytes
 from normlab.tokenizer import ByteTokenizer, TokenizerError, from_file, train_bpe
 
@@ -85,7 +85,7 @@ def test_config_refuses_an_unknown_tokenizer_and_an_hf_tokenizer_without_name():
         RunConfig(tokenizer=TokenizerConfig(kind="sentencepiece")).validate()
     with pytest.raises(ConfigError, match="tokenizer.name is not set"):
         RunConfig(tokenizer=TokenizerConfig(kind="hf")).validate()
-    RunConfig(tokenizer=TokenizerConfig(kind="bpe", vocab_size=257)).validate()
+    RunConfig(model=ModelConfig(vocab_size=None), tokenizer=TokenizerConfig(kind="bpe", vocab_size=257)).validate()
 
 
 def test_pretrained_loads_a_local_file_and_directory(bpe, tmp_path):

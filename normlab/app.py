@@ -428,32 +428,25 @@ def _task(cfg: DictConfig) -> float:
     from hydra.types import RunMode
 
     from . import distributed, preempt
-    from .config import RunConfig
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     if not distributed.is_active() and distributed.init_from_env():  # a SLURM job of several tasks
         atexit.register(distributed.shutdown)
     try:
-        run_cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
-        distributed.check_batch_split(run_cfg)
+        run_cfg = job_config(cfg)
     except ConfigError as err:
         return _stop(err)
-    run_cfg.wandb.overrides = list(hc.overrides.task)
-    if multirun and run_cfg.wandb.group is None:
-        run_cfg.wandb.group = sweep_group(hc)
 
-    from .checkpoint import CheckpointError, ended_run
+    from .checkpoint import CheckpointError
     from .data import DataError
     from .sinks import RunDirBusy, WandbUnavailable
     from .train import run_name, train
 
     name, output_dir = run_name(run_cfg), hc.runtime.output_dir
-    ended = ended_run(run_cfg, output_dir)
-    if ended is not None:  # a re-run sweep: the job is done, and a second wandb run would only confuse its records
-        print(f"normlab: {name} already {ended['status']} in {output_dir}: not trained again "
-              "(overwrite=true trains it afresh)", file=sys.stderr)
-        return rundir.final_loss(ended)
+    ended = ended_loss(run_cfg, output_dir)
+    if ended is not None:
+        return ended
     try:
         with preempt.watch() as previous_handlers:
             summary = train(run_cfg, output_dir)
@@ -473,6 +466,40 @@ def _task(cfg: DictConfig) -> float:
             raise
         return _job_failed(hc, run_cfg, err, recorded=True)
     return summary["final_val_loss"]
+
+
+def job_config(cfg: DictConfig):
+    """The RunConfig of the Hydra job running now (HydraConfig is set): `cfg` resolved and validated, with
+    the job's overrides for wandb's config and, in a multirun, the sweep's wandb group unless one is set.
+    Raises ConfigError (one line) for a config that cannot be trained."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from . import distributed
+    from .config import RunConfig
+
+    hc = HydraConfig.get()
+    run_cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    distributed.check_batch_split(run_cfg)
+    run_cfg.wandb.overrides = list(hc.overrides.task)
+    if hc.mode == RunMode.MULTIRUN and run_cfg.wandb.group is None:
+        run_cfg.wandb.group = sweep_group(hc)
+    return run_cfg
+
+
+def ended_loss(run_cfg, output_dir: str) -> float | None:
+    """For a job whose run already ended in `output_dir` with this config (checkpoint.ended_run): one line
+    on stderr saying it is not trained again, and its final validation loss (NaN if it has none); else None."""
+    from .checkpoint import ended_run
+    from .train import run_name
+
+    ended = ended_run(run_cfg, output_dir)
+    if ended is None:
+        return None
+    # A re-run sweep: the job is done, and a second wandb run would only confuse its records.
+    print(f"normlab: {run_name(run_cfg)} already {ended['status']} in {output_dir}: not trained again "
+          "(overwrite=true trains it afresh)", file=sys.stderr)
+    return rundir.final_loss(ended)
 
 
 def sweep_group(hc) -> str:

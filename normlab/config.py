@@ -265,6 +265,9 @@ class RunConfig:
     diverge_factor: float = 3.0  # stop as diverged when the loss exceeds this × the initial loss; 0: only NaN/inf
     fail_fast: bool = bookkeeping(False)  # in a multirun, stop the sweep at the first failed job
     progress: bool = bookkeeping(True)
+    # multirun, normlab's launcher: jobs that differ only in lr and seed train as one packed model (normlab.pack),
+    # each member written as its own run with the rows its unpacked run would write: so it is bookkeeping.
+    pack: bool = bookkeeping(False)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

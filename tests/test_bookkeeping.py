@@ -15,7 +15,7 @@ from normlab.train import train
 # What neither changes the data nor the arithmetic of training.
 BOOKKEEPING = {
     "name", "progress", "fail_fast", "device", "compile", "compile_mode", "deterministic", "tf32", "log_every",
-    "resume", "overwrite", "ckpt", "wandb", "telemetry", "data.cache_dir", "sinks",
+    "resume", "overwrite", "ckpt", "wandb", "telemetry", "data.cache_dir", "sinks", "pack",
 }  # fmt: skip
 
 
@@ -46,6 +46,7 @@ def _checkpoint_of(cfg):
     [
         {"log_every": 7},
         {"name": "renamed"},
+        {"pack": True},
         {"resume": "/elsewhere/checkpoints/step-000004.pt"},
         {"ckpt": {"every": 1, "keep": 3}},
         {"telemetry": {"every": 0}},

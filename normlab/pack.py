@@ -1,0 +1,406 @@
+"""Packed arms: the runs of a sweep that differ only in lr and seed, trained together as one packed model.
+
+`train_pack([(cfg, run_dir), ...])` trains every member in one process (normlab.packing: stacked
+weights, batched kernels, per-member AdamW and clipping) and writes each member's run dir as
+`train.train` writes an unpacked run's: config.json, metrics.jsonl (the same rows), summary.json, the
+wandb run, the telemetry and the per-layer products. A reader cannot tell a member from a run.
+
+What a member shares with the pack and what it keeps (so that each member is its unpacked run):
+- shared: the architecture and every setting but lr and seed, the held-out batches, the step clock;
+- its own: the initialization (its seed, drawn exactly as an unpacked run draws it), the training
+  batches (drawn from a generator seeded by its seed, as an unpacked run's: members with one seed
+  see one stream, members with different seeds their own; one order for all members would make a
+  member differ from its unpacked run), its lr schedule, its clipping, its AdamW moments, its
+  BatchNorm statistics, its divergence: a member that diverges is recorded as diverged at its step
+  and frozen (lr 0, gradient 0), and the others go on.
+
+Packing is refused (ConfigError, one line) where it cannot be exact: members that differ in a key
+other than lr and seed, fp16 (one GradScaler would skip every member's step when one overflows),
+compile=true, and torchrun (a pack is one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+import torch
+
+from . import distributed, preempt
+from .callbacks import BatchNormSteps, RunReport, TelemetryProducts, ThroughputClock, progress
+from .checkpoint import Checkpointer, flatten_config, resolve_resume, rewind
+from .config import ConfigError, RunConfig, bookkeeping_keys
+from .data import Corpus, load_corpus
+from .flops import model_flops_per_token, peak_flops
+from .model import GPT
+from .packing import PackedAdamW, PackedModel, clip_members, member_view
+from .sinks import RunDir, Sink, SinkContext, open_sinks
+from .train import (
+    HeldOut, _record_end, autocast, batch_loader, configure_determinism, configure_host_allocator, configure_matmul,
+    held_out_batches, loss_fn, lr_at, param_groups, resolve_device, resolve_precision, run_name, seed_everything,
+    summary_head, with_model_vocab,
+)
+
+log = logging.getLogger("normlab")
+
+# The top-level keys a pack's members may differ in.
+PACKABLE_KEYS = ("lr", "seed")
+
+
+def _shared_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The flattened config a pack's members share: all but the packable and the bookkeeping keys."""
+    skip = bookkeeping_keys()
+    return {
+        key: value for key, value in flatten_config(cfg).items()
+        if key not in PACKABLE_KEYS and not any(key == b or key.startswith(b + ".") for b in skip)
+    }
+
+
+def pack_key(cfg: RunConfig) -> str:
+    """Equal for two configs iff they may train in one pack."""
+    return json.dumps(_shared_settings(cfg), sort_keys=True, default=str)
+
+
+def check_pack(cfgs: Sequence[RunConfig]) -> None:
+    """Raise ConfigError (one line) unless `cfgs` can train as one exact pack."""
+    if not cfgs:
+        raise ConfigError("pack=true: a pack needs at least one run")
+    first = _shared_settings(cfgs[0])
+    for cfg in cfgs[1:]:
+        other = _shared_settings(cfg)
+        differ = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
+        if differ:
+            key = differ[0]
+            raise ConfigError(
+                f"pack=true: runs {cfgs[0].run_name} and {cfg.run_name} differ in {key} ({first.get(key)!r} and "
+                f"{other.get(key)!r}): the runs of a pack may differ only in {', '.join(PACKABLE_KEYS)}"
+            )
+    cfg = cfgs[0]
+    if cfg.compile:
+        raise ConfigError("pack=true with compile=true: a pack trains eager; set compile=false, or pack=false to compile each run")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or distributed.is_active():
+        raise ConfigError("pack=true under torchrun: a pack trains in one process; run it without torchrun, or pack=false for DDP")
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if cfg.device == "auto" else cfg.device)
+    if resolve_precision(cfg.precision, device) == "fp16":
+        raise ConfigError(
+            "pack=true with precision=fp16: one GradScaler would skip every member's step when one member "
+            "overflows; use precision=bf16 or fp32, or pack=false"
+        )
+
+
+@dataclass
+class Member:
+    """One run of the pack: its config, run dir and sinks, its counters (a TrainState's), and how it ended."""
+
+    cfg: RunConfig
+    run_dir: RunDir
+    sinks: list[Sink] = field(default_factory=list)
+    tokens: int = 0
+    best_val: float = math.inf
+    last_val: float = math.nan
+    diverged_step: int | None = None
+    products: TelemetryProducts | None = None
+    report: RunReport | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.diverged_step is None
+
+    def emit(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(record)
+        if self.products is not None:
+            self.products.on_step_end(None, record)
+
+
+def train_pack(members: Sequence[tuple[RunConfig, str | os.PathLike]]) -> list[dict[str, Any]]:
+    """Train `members` (config, run dir) as one pack; write each run dir as train.train does; return their
+    summaries in order. Every run dir is locked for the pack. On an exception every member's summary.json
+    records the failure, and the exception propagates."""
+    cfgs = [cfg for cfg, _ in members]
+    check_pack(cfgs)
+    run_dirs = [RunDir(path) for _, path in members]
+    with contextlib.ExitStack() as held:
+        for run_dir in run_dirs:
+            held.enter_context(run_dir.lock())
+        held.enter_context(preempt.starting())
+        return _train_pack_in([Member(cfg, run_dir) for cfg, run_dir in zip(cfgs, run_dirs)])
+
+
+def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
+    started = time.time()
+    for member in members:
+        if resolve_resume(member.cfg, member.run_dir.path) is not None:
+            raise ConfigError(f"pack=true: {member.run_dir.path} holds a checkpoint; packs start fresh (resume=null or overwrite=true)")
+    summaries = [summary_head(m.cfg) for m in members]
+    exit_code = 1
+    try:
+        corpus = load_corpus(members[0].cfg.data, members[0].cfg.tokenizer)
+        for summary in summaries:
+            summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256,
+                           tokenizer=corpus.tokenizer.identity)
+        with preempt.deferred():  # from here the run dirs change: no signal leaves one halfway
+            for member in members:
+                _open_run(member, corpus)
+        results = _fit_pack(members, corpus)
+        for summary, result in zip(summaries, results):
+            summary.update(result)
+        exit_code = 0
+    except BaseException as err:
+        for summary in summaries:
+            summary["status"] = "failed"
+            summary["error"] = f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        preempt.training_started()
+        troubles = []
+        for member, summary in zip(members, summaries):
+            summary["wall_time_s"] = round(time.time() - started, 3)
+            troubles.append(_record_end(member.run_dir, summary, member.sinks, exit_code))
+    trouble = next((t for t in troubles if t is not None), None)
+    if trouble is not None:
+        raise trouble
+    return summaries
+
+
+def _open_run(member: Member, corpus: Corpus) -> None:
+    """Start a member's run dir as train() starts a fresh run's: reserve room, config.json, sinks."""
+    run_dir, cfg = member.run_dir, member.cfg
+    run_dir.reserve()
+    run_dir.write_config(cfg.to_dict())
+    if corpus.tokenizer.kind != "byte":
+        corpus.tokenizer.save(run_dir.path / "tokenizer.json")
+    history = rewind(run_dir.path, 0)
+    open_sinks(SinkContext(cfg, run_dir, run_name(cfg), secrets.token_hex(4), None, history), into=member.sinks)
+    member.products = TelemetryProducts(member.sinks)
+    member.report = RunReport(run_name(cfg), "", str(run_dir.path))
+
+
+def build_pack(cfgs: Sequence[RunConfig], device: torch.device) -> tuple[PackedModel, PackedAdamW]:
+    """The packed model, each member initialized as an unpacked run of its config is (seed_everything(seed),
+    then GPT(cfg)), and AdamW over it with the weight-decay groups of train.param_groups."""
+    models = []
+    for cfg in cfgs:
+        seed_everything(cfg.seed)
+        models.append(GPT(cfg).to(device))
+    pack = PackedModel(models)
+    base = cfgs[0]
+    names = {id(p): name for name, p in pack.template.named_parameters()}
+    decay = {names[id(p)] for p in param_groups(pack.template, base.optim.weight_decay)[0]["params"]}
+    optimizer = PackedAdamW(pack.params, decay, base.optim.betas, base.optim.eps, base.optim.weight_decay)
+    return pack, optimizer
+
+
+def _fit_pack(members: list[Member], corpus: Corpus) -> list[dict[str, Any]]:
+    """Build the pack, run its steps, and return each member's results."""
+    cfgs = [with_model_vocab(m.cfg, corpus) for m in members]
+    base = cfgs[0]
+    device = resolve_device(base.device)
+    precision = resolve_precision(base.precision, device)
+    configure_matmul(device, base.tf32)
+    configure_determinism(base.deterministic)
+    configure_host_allocator()
+    pack, optimizer = build_pack(cfgs, device)
+    generators = {seed: torch.Generator().manual_seed(seed) for seed in dict.fromkeys(c.seed for c in cfgs)}
+    loaders = {seed: batch_loader(corpus.train, base, gen, device) for seed, gen in generators.items()}
+    held_out = held_out_batches(corpus, base)
+    batchnorm = BatchNormSteps(pack.template, base)
+    batchnorm.on_train_start(None)
+    clock = ThroughputClock(base.batch_size * base.seq_len, 0, model_flops_per_token(base),
+                            peak_flops(device, precision, base.tf32), device)
+    clock.on_train_start(None)
+    log.info("pack of %d runs (%s, lr %s, seeds %s): %s, %s, %s parameters each", len(members), base.label,
+             ", ".join(f"{c.lr:g}" for c in cfgs), ", ".join(str(s) for s in generators), device, precision,
+             f"{sum(p[0].numel() for p in pack.params.values()):,}")
+    loop = PackLoop(cfgs, members, pack, optimizer, held_out, precision, clock)
+    loop.run(lambda: _next_batches(cfgs, loaders))
+    return [loop.result(i, batchnorm, corpus) for i in range(len(members))]
+
+
+def _next_batches(cfgs: Sequence[RunConfig], loaders) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's training batches, (M, B, T): one draw per seed, shared by the members with that seed."""
+    drawn = {seed: loader() for seed, loader in loaders.items()}
+    return (torch.stack([drawn[c.seed][0] for c in cfgs]), torch.stack([drawn[c.seed][1] for c in cfgs]))
+
+
+class PackLoop:
+    """The packed training loop: train.run_steps for M members at once, with per-member records."""
+
+    def __init__(self, cfgs: list[RunConfig], members: list[Member], pack: PackedModel, optimizer: PackedAdamW,
+                 held_out: HeldOut, precision: str, clock: ThroughputClock):
+        self.cfgs, self.members, self.pack, self.optimizer = cfgs, members, pack, optimizer
+        self.held_out, self.precision, self.clock = held_out, precision, clock
+        self.base = cfgs[0]
+        self.device = next(iter(pack.params.values())).device
+        self.eval_time = 0.0
+        self.limit: torch.Tensor | None = None  # each member's divergence threshold (factor × its first loss)
+        self.first_bad = torch.full((pack.size,), -1, dtype=torch.long, device=self.device)
+        self.bar = progress(self.base.max_steps, f"pack of {pack.size} ({self.base.label})") if self.base.progress else None
+
+    def run(self, next_batches) -> None:
+        """Train every member from step 0 to max_steps (or until it diverges), emitting its records."""
+        base, clock_state = self.base, SimpleNamespace(watched=False, tokens=0, step=0)
+        self.pack.template.train()
+        if self.bar is not None:
+            self.bar.on_train_start(clock_state)
+        for step in range(base.max_steps + 1):
+            records = {i: {"step": step, "tokens": m.tokens} for i, m in enumerate(self.members) if m.active}
+            evaluated = (base.eval_every > 0 and step % base.eval_every == 0) or step == base.max_steps
+            if evaluated:
+                self._evaluate_into(step, records)
+            if step == base.max_steps:
+                self._emit(records)
+                break
+            if not any(m.active for m in self.members):
+                break
+            self.clock.on_step_start(clock_state)
+            loss, grad_norm = self._train_step(step, next_batches)
+            logged = step % base.log_every == 0 or step == base.max_steps - 1 or evaluated
+            timing: dict[str, Any] | None = {} if logged else None
+            self.clock.after_optimizer_step(clock_state, timing)
+            if logged:
+                self._fill(step, records, loss, grad_norm, timing["tokens_per_s"])
+                self._diverged_at_log(records)
+                self._emit(records)
+            if self.bar is not None:
+                self.bar.on_step_end(clock_state, self._bar_record(records) if logged and records else None)
+        clock_state.tokens = max(m.tokens for m in self.members)
+        self.clock_summary: dict[str, Any] = {}
+        self.clock.on_train_end(clock_state, self.clock_summary)
+        if self.bar is not None:
+            self.bar.on_train_end(clock_state, {})
+
+    def _train_step(self, step: int, next_batches) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step of every member; returns their losses and gradient norms (M,), on the device."""
+        base, pack = self.base, self.pack
+        active = torch.tensor([m.active for m in self.members], device=self.device)
+        lr = torch.tensor([lr_at(step, c) for c in self.cfgs], device=self.device) * active
+        x, y = next_batches()
+        total = torch.zeros(pack.size, device=self.device)
+        for xm, ym in zip(x.chunk(base.grad_accum, dim=1), y.chunk(base.grad_accum, dim=1)):
+            with autocast(self.device, self.precision):
+                loss = pack.losses(loss_fn, xm, ym)
+            (loss / base.grad_accum).sum().backward()
+            total += loss.detach()
+        loss = total / base.grad_accum
+        self._observe(step, loss)
+        for p in pack.params.values():
+            if p.grad is not None:  # a frozen member's gradient (NaN, perhaps) is dropped
+                p.grad.copy_(torch.where(member_view(active, p.grad), p.grad, torch.zeros((), device=self.device)))
+        max_norm = base.optim.grad_clip if base.optim.grad_clip > 0 else math.inf
+        grad_norm = clip_members(list(pack.params.values()), max_norm)
+        pack.advance_running_statistics()
+        self.optimizer.step(lr)
+        self.optimizer.zero_grad()
+        for member in self.members:
+            if member.active:
+                member.tokens += base.batch_size * base.seq_len
+        return loss, grad_norm
+
+    def _observe(self, step: int, loss: torch.Tensor) -> None:
+        """train.DivergenceGuard, per member: remember each member's first step with a non-finite loss or
+        one above diverge_factor × its first loss."""
+        factor = self.base.diverge_factor
+        if self.limit is None:
+            self.limit = loss * factor if factor > 0 else torch.full_like(loss, math.inf)
+        bad = ~torch.isfinite(loss) | (loss > self.limit)
+        self.first_bad = torch.where(bad & (self.first_bad < 0), step, self.first_bad)
+
+    def _diverged_at_log(self, records: dict[int, dict[str, Any]]) -> None:
+        """On a logged step, end every member whose guard has fired (its record of this step is not emitted)."""
+        for i, first_bad in enumerate(self.first_bad.tolist()):
+            if first_bad >= 0 and self.members[i].active:
+                self._diverge(i, first_bad)
+                records.pop(i, None)
+
+    def _diverge(self, i: int, step: int) -> None:
+        member = self.members[i]
+        member.diverged_step = step
+        member.last_val = math.nan
+        cfg = self.cfgs[i]
+        for sink in member.sinks:
+            sink.log({"step": step, "tokens": step * cfg.batch_size * cfg.seq_len, "status": "diverged"})
+
+    def _evaluate_into(self, step: int, records: dict[int, dict[str, Any]]) -> None:
+        started = time.perf_counter()
+        losses = evaluate_pack(self.pack, self.held_out.batches, self.device, self.precision).tolist()
+        self.eval_time += time.perf_counter() - started
+        for i in list(records):
+            member, val = self.members[i], losses[i]
+            if not math.isfinite(val):
+                self._diverge(i, step)
+                records.pop(i)
+                continue
+            member.last_val, member.best_val = val, min(member.best_val, val)
+            records[i].update(val_loss=val, val_bpb=self.held_out.bits_per_byte(val))
+
+    def _fill(self, step: int, records: dict[int, dict[str, Any]], loss: torch.Tensor, grad_norm: torch.Tensor,
+              tokens_per_s: float) -> None:
+        """A logged step's figures, in the order an unpacked record has them; tokens_per_s is the member's own
+        rate (its tokens over the pack's step time)."""
+        losses, norms = loss.tolist(), grad_norm.tolist()
+        for i, record in records.items():
+            record.update(loss=losses[i], lr=lr_at(step, self.cfgs[i]), grad_norm=norms[i], tokens_per_s=tokens_per_s)
+
+    def _emit(self, records: dict[int, dict[str, Any]]) -> None:
+        for i, record in records.items():
+            self.members[i].emit(record)
+
+    def _bar_record(self, records: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """The progress bar's figures: the lowest loss among the members still training, the pack's throughput."""
+        best = min(records.values(), key=lambda r: r["loss"])
+        return {**best, "tokens_per_s": best["tokens_per_s"] * self.pack.size}
+
+    def result(self, i: int, batchnorm: BatchNormSteps, corpus: Corpus) -> dict[str, Any]:
+        """Member i's part of summary.json, as train._fit makes it, and the pack's size and throughput."""
+        member, cfg = self.members[i], self.cfgs[i]
+        out: dict[str, Any] = {"status": "completed"}
+        if member.diverged_step is not None:
+            out.update(status="diverged", diverged_step=member.diverged_step)
+        out.update(
+            final_val_loss=member.last_val,
+            best_val_loss=member.best_val,
+            final_val_bpb=self.held_out.bits_per_byte(member.last_val),
+            best_val_bpb=self.held_out.bits_per_byte(member.best_val),
+            steps=cfg.max_steps if member.diverged_step is None else member.diverged_step,
+            tokens=member.tokens,
+            n_params=sum(p[i].numel() for p in self.pack.params.values()),
+            device=self.device.type,
+            precision=self.precision,
+            eval_time_s=round(self.eval_time, 3),
+        )
+        out.update(self.clock_summary)
+        # The device ran every member's step at once: its utilization is the pack's.
+        out["pack_size"] = self.pack.size
+        out["pack_tokens_per_s"] = out["tokens_per_s"] * self.pack.size
+        if "mfu" in out:
+            out["mfu"] = round(out["mfu"] * self.pack.size, 4)
+        batchnorm.on_train_end(None, out)
+        if member.products is not None:
+            member.products.on_train_end(None, out)
+        if member.report is not None:
+            member.report.on_train_end(None, out)
+        return out
+
+
+@torch.no_grad()
+def evaluate_pack(pack: PackedModel, batches, device: torch.device, precision: str) -> torch.Tensor:
+    """Each member's mean loss over the fixed held-out batches, (M,), in eval mode (as train.evaluate)."""
+    was_training = pack.template.training
+    pack.template.eval()
+    total = torch.zeros(pack.size, device=device)
+    for x, y in batches:
+        with autocast(device, precision):
+            total += pack.losses(loss_fn, x.to(device), y.to(device), shared=True)
+    pack.template.train(was_training)
+    return total / len(batches)

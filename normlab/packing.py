@@ -1,0 +1,184 @@
+"""The packed model and its optimizer: M models of one architecture trained as one, with a leading member dimension.
+
+Every parameter and buffer of the M members is stacked along a new first dimension
+(torch.func.stack_module_state), and one forward runs all members in batched kernels: torch.func.vmap
+over a functional call of a template GPT (torch.func.functional_call), which holds the module tree
+and whose own weights are never used. So the members run the very modules an unpacked run runs (every
+norm, every placement), with weights, statistics and data of their own: a member's forward, loss and
+gradient are its unpacked run's, up to the summation order of batched kernels.
+
+The optimizer is AdamW written over the stacked tensors with one learning rate per member
+(torch's AdamW takes one lr per parameter group), the update torch.optim.AdamW takes, term by term.
+Clipping is per member: each member's gradient is scaled by its own total norm, as
+torch.nn.utils.clip_grad_norm_ scales an unpacked run's. A member can be frozen (lr 0, gradient 0):
+a diverged member stops changing and its NaNs stay in its own slices, since no kernel mixes members.
+The module knows nothing of Hydra, sinks or the training loop.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, stack_module_state, vmap
+
+from .norms import StepStatistics
+
+# On the CPU torch has no batching rule for its flash-attention kernel, so vmap runs attention member by
+# member (correct, a little slower) and warns once per process; on CUDA the rules exist.
+warnings.filterwarnings("ignore", message=r".*not yet implemented the batching rule for aten::_scaled_dot_product")
+
+
+class PackedModel:
+    """M members of one architecture, stacked: `params` and `buffers` map the template's names to tensors
+    of shape (M, *shape). `params` are leaves that collect gradients; `template` is the module tree the
+    forward runs (train()/eval() on it set every member's mode)."""
+
+    def __init__(self, members: Sequence[nn.Module]):
+        if not members:
+            raise ValueError("a pack needs at least one member")
+        self.template = members[0]
+        self.size = len(members)
+        params, buffers = stack_module_state(list(members))
+        self.params: dict[str, torch.Tensor] = params
+        self.buffers: dict[str, torch.Tensor] = buffers
+        self._step_statistics = [m for m in self.template.modules() if isinstance(m, StepStatistics)]
+
+    def _member_logits(self, params, buffers, idx: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.template, (params, buffers), (idx,))
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """(M, B, T, vocab) logits for token ids of shape (M, B, T): member m reads idx[m]."""
+        return vmap(self._member_logits)(self.params, self.buffers, idx)
+
+    def losses(self, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool = False,
+               extra: Callable | None = None):
+        """Each member's loss_fn(logits, targets), shape (M,). `shared`: x and y, (B, T), are the same for
+        every member (held-out batches), else (M, B, T). `extra`, called inside the batched call after the
+        forward, returns per-member tensors (telemetry) to return beside the losses."""
+
+        def member(params, buffers, xm, ym):
+            loss = loss_fn(self._member_logits(params, buffers, xm), ym)
+            return (loss, extra()) if extra is not None else loss
+
+        data_dims = None if shared else 0
+        return vmap(member, in_dims=(0, 0, data_dims, data_dims))(self.params, self.buffers, x, y)
+
+    def advance_running_statistics(self) -> None:
+        """One step of every BatchNorm's running statistics, per member (norms.StepStatistics)."""
+        if not self._step_statistics:
+            return
+        stepper = _AdvanceStatistics(self.template)
+
+        def advance(buffers):
+            return functional_call(stepper, {f"model.{k}": v for k, v in buffers.items()}, ())
+
+        vmap(advance)(self.buffers)
+
+    def set_per_step(self, per_step: bool) -> None:
+        for norm in self._step_statistics:
+            norm.per_step = per_step
+
+    def member_state_dict(self, m: int) -> dict[str, torch.Tensor]:
+        """Member m's weights and persistent buffers under the template's state_dict keys (tied weights
+        under each of their names), as an unpacked model's state_dict() holds them."""
+        tied = {name: p for name, p in self.template.named_parameters(remove_duplicate=False)}
+        first = {id(p): name for name, p in reversed(list(tied.items()))}
+        out = {}
+        for key, value in self.template.state_dict().items():
+            if key in self.params:
+                out[key] = self.params[key][m].detach().clone()
+            elif key in self.buffers:
+                out[key] = self.buffers[key][m].clone()
+            elif key in tied:  # a tied weight under its second name (head.weight is tok_emb.weight)
+                out[key] = self.params[first[id(tied[key])]][m].detach().clone()
+            else:
+                raise KeyError(key)
+        return out
+
+    def load_member_state_dict(self, m: int, state: dict[str, torch.Tensor]) -> None:
+        """Put an unpacked model's state_dict (e.g. from a checkpoint) into member m's slices."""
+        with torch.no_grad():
+            for name, value in self.params.items():
+                value[m].copy_(state[name])
+            persistent = set(self.template.state_dict())
+            for name, value in self.buffers.items():
+                if name in persistent:
+                    value[m].copy_(state[name])
+
+
+class _AdvanceStatistics(nn.Module):
+    """A module whose forward advances the running statistics of `model`'s BatchNorms: functional_call on it
+    swaps a member's buffers in, as it does for the forward."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.norms = [m for m in model.modules() if isinstance(m, StepStatistics)]
+
+    def forward(self) -> torch.Tensor:
+        for norm in self.norms:
+            norm.advance_running_statistics()
+        return torch.zeros(())
+
+
+def member_view(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-member vector (M,) shaped to broadcast against a stacked tensor (M, *shape)."""
+    return values.view(-1, *([1] * (like.dim() - 1)))
+
+
+def member_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(len(tensors), M): the L2 norm of each member's slice of each stacked tensor, in float32."""
+    return torch.stack([torch.linalg.vector_norm(t.detach().flatten(1), dim=1, dtype=torch.float32) for t in tensors])
+
+
+def clip_members(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale each member's gradient to total norm at most `max_norm`, as torch.nn.utils.clip_grad_norm_
+    does for one model (coefficient max_norm / (norm + 1e-6), capped at 1); return the norms before, (M,)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.linalg.vector_norm(member_norms(grads), dim=0)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(member_view(coef, g).to(g.dtype))
+    return total
+
+
+class PackedAdamW:
+    """AdamW over stacked parameters with a learning rate per member (torch.optim.AdamW's update, one
+    member per slice): decoupled weight decay p ← p·(1 − lr·wd), then p ← p − lr/(1 − β₁ᵗ) · m / (sqrt(v/(1 − β₂ᵗ)) + ε).
+
+    `decay`: the names of the parameters that take weight decay (train.param_groups' rule)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], decay: set[str], betas: Sequence[float], eps: float,
+                 weight_decay: float):
+        self.params = params
+        self.decay = decay
+        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
+        self.eps, self.weight_decay = eps, weight_decay
+        self.step_count = 0
+        self.exp_avg = {n: torch.zeros_like(p) for n, p in params.items()}
+        self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in params.items()}
+
+    @torch.no_grad()
+    def step(self, lr: torch.Tensor) -> None:
+        """One update; `lr` (M,) on the parameters' device, 0 for a frozen member."""
+        self.step_count += 1
+        bias1 = 1 - self.beta1 ** self.step_count
+        bias2_sqrt = (1 - self.beta2 ** self.step_count) ** 0.5
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            g, m, v = p.grad, self.exp_avg[name], self.exp_avg_sq[name]
+            rate = member_view(lr, p).to(p.dtype)
+            if name in self.decay and self.weight_decay:
+                p.mul_(1 - rate * self.weight_decay)
+            m.lerp_(g, 1 - self.beta1)
+            v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+            denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
+            p.sub_((m / denom).mul_(rate / bias1))
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None

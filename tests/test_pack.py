@@ -1,0 +1,221 @@
+"""Packed arms (normlab.pack): every member's records equal its unpacked run's."""
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from normlab.config import ConfigError
+from normlab.pack import check_pack, pack_key, train_pack
+from normlab.packing import PackedAdamW, PackedModel, clip_members
+from normlab.model import GPT
+from normlab.train import train
+
+TOLERANCE = 1e-5  # relative, the issue's bound for a member against its unpacked run (fp32, CPU)
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def grid(norm, placement, lrs=(1e-3, 3e-3, 1e-2), seeds=(0, 1), **overrides):
+    cfgs = []
+    for lr in lrs:
+        for seed in seeds:
+            cfg = tiny_config(norm, placement, lr=lr, seed=seed, max_steps=6, sinks=["jsonl"], **overrides)
+            cfgs.append(cfg)
+    return cfgs
+
+
+def worst_difference(expected, got, skip=("tokens_per_s",)):
+    """The largest relative difference between two runs' metrics rows, and where; the rows must match in steps and keys."""
+    assert [r["step"] for r in expected] == [r["step"] for r in got]
+    worst, where = 0.0, None
+    for a, b in zip(expected, got):
+        assert set(a) == set(b), f"step {a['step']}: keys differ: {sorted(set(a) ^ set(b))}"
+        for key, value in a.items():
+            if key in skip or not isinstance(value, float):
+                assert value == b[key] or key in skip, (a["step"], key)
+                continue
+            if math.isnan(value):
+                assert math.isnan(b[key]), (a["step"], key)
+                continue
+            diff = abs(value - b[key]) / max(abs(value), 1e-12)
+            if diff > worst:
+                worst, where = diff, (a["step"], key, value, b[key])
+    return worst, where
+
+
+def train_both(cfgs, tmp_path):
+    for i, cfg in enumerate(cfgs):
+        train(cfg, tmp_path / f"run{i}")
+    summaries = train_pack([(cfg, tmp_path / f"member{i}") for i, cfg in enumerate(cfgs)])
+    return summaries
+
+
+# Pre-BN's linear biases feed only BatchNorms, which subtract every constant: the training loss does not
+# depend on them, so their gradient is rounding noise, which Adam scales up to updates. Their values, and
+# with them the eval-mode (running-statistics) loss, then follow the kernels' summation order: an unpacked
+# run with 2 threads instead of 1 moves val_loss by 4e-6, a pack by up to 3e-5. The BatchNorm arms are
+# compared without linear biases, where every key agrees within 1e-5 (see the next test for the biases).
+ARMS = [("layer", "pre", {}), ("layer", "post", {}), ("rms", "pre", {}), ("rms", "post", {}),
+        ("batch", "pre", {"bias": False}), ("batch", "post", {"bias": False})]
+
+
+@pytest.mark.parametrize("norm,placement,model", ARMS, ids=[f"{n}-{p}" for n, p, _ in ARMS])
+def test_each_member_of_a_pack_equals_its_unpacked_run(norm, placement, model, tmp_path, one_thread):
+    cfgs = grid(norm, placement)
+    for cfg in cfgs:
+        cfg.model = replace(cfg.model, **model)
+        cfg.telemetry.every = 0  # telemetry per member: see test_telemetry_of_each_member_equals_its_unpacked_runs
+    summaries = train_both(cfgs, tmp_path)
+    for i, cfg in enumerate(cfgs):
+        worst, where = worst_difference(rows(tmp_path / f"run{i}"), rows(tmp_path / f"member{i}"))
+        assert worst < TOLERANCE, (cfg.run_name, where)
+        alone = json.loads((tmp_path / f"run{i}" / "summary.json").read_text())
+        assert summaries[i]["status"] == alone["status"] == "completed"
+        assert summaries[i]["name"] == alone["name"] == cfg.run_name
+        assert summaries[i]["pack_size"] == len(cfgs)
+        assert json.loads((tmp_path / f"member{i}" / "config.json").read_text()) == cfg.to_dict()
+
+
+def test_batchnorm_with_biases_agrees_in_training_and_within_rounding_noise_in_eval(tmp_path, one_thread):
+    cfgs = grid("batch", "pre")
+    for cfg in cfgs:
+        cfg.telemetry.every = 0
+    train_both(cfgs, tmp_path)
+    for i, cfg in enumerate(cfgs):
+        expected, got = rows(tmp_path / f"run{i}"), rows(tmp_path / f"member{i}")
+        worst, where = worst_difference(expected, got, skip=("tokens_per_s", "val_loss", "val_bpb"))
+        assert worst < TOLERANCE, (cfg.run_name, where)
+        for a, b in zip(expected, got):
+            if "val_loss" in a:
+                assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-4)
+
+
+def test_a_diverged_member_is_recorded_and_frozen_while_the_others_go_on(tmp_path, one_thread):
+    cfgs = grid("layer", "pre", lrs=(1e-3, 1e3), seeds=(0,))
+    for cfg in cfgs:
+        cfg.max_steps, cfg.log_every, cfg.eval_every = 12, 3, 6
+        cfg.telemetry.every = 0
+    summaries = train_both(cfgs, tmp_path)
+    alone = [json.loads((tmp_path / f"run{i}" / "summary.json").read_text()) for i in range(2)]
+    assert alone[1]["status"] == summaries[1]["status"] == "diverged"
+    assert summaries[1]["diverged_step"] == alone[1]["diverged_step"]
+    assert summaries[1]["steps"] == alone[1]["steps"] and summaries[1]["tokens"] == alone[1]["tokens"]
+    assert summaries[0]["status"] == "completed"
+    for i in range(2):
+        worst, where = worst_difference(rows(tmp_path / f"run{i}"), rows(tmp_path / f"member{i}"))
+        assert worst < TOLERANCE, where
+    assert math.isfinite(summaries[0]["final_val_loss"])
+
+
+def test_nan_in_one_member_never_reaches_another():
+    cfg = tiny_config("batch", "pre")
+    cfg.model = replace(cfg.model, vocab_size=256)
+    torch.manual_seed(0)
+    pack = PackedModel([GPT(cfg), GPT(cfg), GPT(cfg)])
+    with torch.no_grad():
+        pack.params["blocks.0.attn.qkv.weight"][1].fill_(math.nan)
+    x = torch.randint(0, 256, (3, 4, 16))
+    loss = pack.losses(_loss, x, x)
+    loss.sum().backward()
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2]]).all()
+    for name, p in pack.params.items():
+        assert torch.isfinite(p.grad[[0, 2]]).all(), name
+    for name, b in pack.buffers.items():
+        assert torch.isfinite(b[[0, 2]].float()).all(), name
+    norms = clip_members(list(pack.params.values()), 1.0)
+    assert torch.isfinite(norms[[0, 2]]).all()
+
+
+def _loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def test_packed_adamw_takes_torch_adamw_steps_per_member_lr():
+    torch.manual_seed(0)
+    members = [torch.nn.Linear(4, 3) for _ in range(2)]
+    pack = PackedModel(members)
+    lrs = [1e-2, 3e-1]
+    references = [torch.optim.AdamW(m.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1) for m, lr in zip(members, lrs)]
+    for group in (r.param_groups[0] for r in references):
+        group["weight_decay"] = 0.1
+    packed = PackedAdamW(pack.params, {"weight"}, (0.9, 0.95), 1e-8, 0.1)
+    # torch's reference decays every parameter of its one group: decay the bias too, for the comparison
+    packed.decay = {"weight", "bias"}
+    for _ in range(3):
+        grads = {n: torch.randn_like(p) for n, p in pack.params.items()}
+        for i, m in enumerate(members):
+            for n, p in m.named_parameters():
+                p.grad = grads[n][i].clone()
+            references[i].step()
+        for n, p in pack.params.items():
+            p.grad = grads[n].clone()
+        packed.step(torch.tensor(lrs))
+    for i, m in enumerate(members):
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(pack.params[n][i], p, rtol=1e-6, atol=1e-7)
+
+
+def test_clipping_is_per_member():
+    torch.manual_seed(0)
+    p = torch.zeros(2, 3, requires_grad=True)
+    p.grad = torch.tensor([[3.0, 4.0, 0.0], [0.3, 0.4, 0.0]])
+    norms = clip_members([p], 1.0)
+    torch.testing.assert_close(norms, torch.tensor([5.0, 0.5]))
+    torch.testing.assert_close(p.grad[0], torch.tensor([0.6, 0.8, 0.0]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p.grad[1], torch.tensor([0.3, 0.4, 0.0]))  # under the limit: unchanged
+
+
+def test_pack_key_ignores_lr_seed_and_bookkeeping_only():
+    a = tiny_config("layer", "pre", lr=1e-3, seed=0)
+    b = tiny_config("layer", "pre", lr=3e-2, seed=5, progress=True)
+    b.wandb.tags = ["x"]
+    assert pack_key(a) == pack_key(b)
+    assert pack_key(a) != pack_key(tiny_config("rms", "pre"))
+    assert pack_key(a) != pack_key(tiny_config("layer", "pre", depth=3))
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda c: setattr(c, "placement", "post"), "differ only in lr, seed"),
+    (lambda c: setattr(c, "compile", True), "compile=true"),
+    (lambda c: setattr(c, "precision", "fp16"), "precision=fp16"),
+])
+def test_packing_is_refused_where_it_cannot_be_exact(change, words):
+    cfgs = grid("layer", "pre", lrs=(1e-3,), seeds=(0, 1))
+    change(cfgs[-1])
+    if words != "differ only in lr, seed":
+        change(cfgs[0])
+    with pytest.raises(ConfigError, match=words.replace("=", "=").split(",")[0]):
+        check_pack(cfgs)
+
+
+def test_packing_is_refused_under_torchrun(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="torchrun"):
+        check_pack(grid("layer", "pre", lrs=(1e-3,), seeds=(0,)))
+
+
+def test_batchnorm_members_keep_their_own_running_statistics():
+    cfg = tiny_config("batch", "post")
+    cfg.model = replace(cfg.model, vocab_size=256)
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(GPT(cfg))
+    pack = PackedModel([GPT(cfg), GPT(cfg)])
+    for i, model in enumerate(models):
+        pack.load_member_state_dict(i, model.state_dict())
+    pack.set_per_step(True)
+    x = torch.randint(0, 256, (2, 4, 16), generator=torch.Generator().manual_seed(0))
+    pack.losses(_loss, x, x)
+    pack.advance_running_statistics()
+    for i, model in enumerate(models):
+        model(x[i])  # per_step false: the forward is the step
+        for name, buffer in model.named_buffers():
+            torch.testing.assert_close(pack.buffers[name][i], buffer, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(pack.buffers["blocks.0.norm1.running_mean"][0], pack.buffers["blocks.0.norm1.running_mean"][1])

@@ -20,6 +20,7 @@ import os
 import secrets
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import machine, overrides, rundir
-from .config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, check_norm_knob, format_lr
+from .config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob, format_lr
 from .sinks import disk_full
 
 log = logging.getLogger("normlab")
@@ -58,8 +59,6 @@ def register_resolvers(stamp: tuple[float, str] | None = None) -> None:
 
 def _run_name(*, _root_: DictConfig) -> str:
     """${run_name:}: the job's run name (RunConfig.run_name), so run dirs and wandb runs share it."""
-    from .config import RunConfig
-
     raw = {
         key: OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
         for key, value in _root_.items()
@@ -203,8 +202,8 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
     A multirun's jobs are those the configured sweeper makes: the basic sweeper's are expanded by its
     own split logic (with the sweeps a preset puts in hydra.sweeper.params); a search sweeper's fixed
     part is checked here and each trial as it starts. A `norm.KNOB=...` override must name a knob that
-    each job's norm reads. Raises ConfigError naming the first bad job.
-    A config Hydra itself cannot compose is left for Hydra to report when it runs.
+    each job's norm reads. Jobs with pack=true must be packable (check_packing). Raises ConfigError
+    naming the first bad job. A config Hydra itself cannot compose is left for Hydra to report when it runs.
     """
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path
@@ -213,31 +212,72 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
 
-    from .config import RunConfig
-
     # The search path `normlab train` gets: the packaged conf/, then any --config-dir, as Hydra adds it.
     search_path = create_config_search_path("pkg://" + CONFIG_MODULE)
     for d in config_dirs:
         search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
+    plugins: dict[str, str] = {}  # a multirun's hydra/launcher and hydra/sweeper: choice, _target_
     try:
         hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
         jobs = [list(overrides)]
         if multirun:
             forced = _norm_knob_overrides(list(overrides))[1]
             sweep_cfg = hydra.compose_config("config", forced, run_mode=RunMode.MULTIRUN, from_shell=True)
+            for plugin in ("launcher", "sweeper"):
+                plugins[plugin] = sweep_cfg.hydra.runtime.choices.get(f"hydra/{plugin}")
+                plugins[plugin + "_target"] = sweep_cfg.hydra[plugin].get("_target_")
             params = [f"{k}={v}" for k, v in (sweep_cfg.hydra.sweeper.get("params") or {}).items()]
             if sweep_cfg.hydra.sweeper.get("_target_") == BASIC_SWEEPER:
                 jobs = sweep_jobs(params + list(overrides), hydra.config_loader)
             else:
                 jobs = _search_sweep_checks(OverridesParser.create(config_loader=hydra.config_loader), list(overrides), config_dirs)
-        for job in jobs:
-            _check_job(hydra, job, config_dirs, multirun, RunConfig)
+        cfgs = [_check_job(hydra, job, config_dirs, multirun, RunConfig) for job in jobs]
     except ConfigError:
         raise
     except Exception:
         return  # Hydra reports what it cannot compose in its own words when it runs
     finally:
         GlobalHydra.instance().clear()
+    check_packing(cfgs, plugins)
+
+
+NORMLAB_LAUNCHER = "hydra_plugins.normlab_launcher.normlab_launcher.NormlabLauncher"
+
+
+def check_packing(cfgs: list, plugins: dict[str, str]) -> None:
+    """ConfigError (one line) unless the jobs `cfgs` (RunConfigs) that ask for pack=true can train as packs:
+    in a multirun only normlab's launcher packs (another would train them unpacked, silently) and only a
+    grid sweep's jobs (Hydra's basic sweeper; a search sweeper launches a trial or two at a time), and each
+    pack must be one that normlab.pack.check_pack accepts (it refuses torchrun, fp16, compile=true, ...).
+    `plugins` holds a multirun's launcher and sweeper (check_jobs); {} for a single run."""
+    if not any(cfg.pack for cfg in cfgs):
+        return
+    if plugins and plugins["launcher_target"] != NORMLAB_LAUNCHER:
+        raise ConfigError(f"pack=true with hydra/launcher={plugins['launcher']}: only normlab's launcher "
+                          "(hydra/launcher=normlab, the default) packs a sweep's jobs; drop pack=true to run them unpacked")
+    if plugins and plugins["sweeper_target"] != BASIC_SWEEPER:
+        raise ConfigError(f"pack=true with hydra/sweeper={plugins['sweeper']}: only a grid sweep's jobs (Hydra's basic "
+                          "sweeper) are packed, a search sweeper launches its trials one batch at a time; drop pack=true")
+    from .pack import check_pack
+
+    for group in pack_groups(cfgs):
+        if cfgs[group[0]].pack:
+            check_pack([cfgs[i] for i in group])
+
+
+def pack_groups(cfgs: list) -> list[list[int]]:
+    """A sweep's jobs as they train, as positions in `cfgs` (RunConfigs, or None for a job whose config
+    could not be built): the jobs with pack=true grouped by normlab.pack.pack_key, and every other job
+    alone; groups ordered by their first job, and each group's jobs in order."""
+    packed = [cfg is not None and cfg.pack for cfg in cfgs]
+    if not any(packed):
+        return [[i] for i in range(len(cfgs))]
+    from .pack import pack_key
+
+    groups: dict[str, list[int]] = {}
+    for i, cfg in enumerate(cfgs):
+        groups.setdefault("pack " + pack_key(cfg) if packed[i] else f"job {i}", []).append(i)
+    return sorted(groups.values())
 
 
 def _norm_knob_overrides(job: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
@@ -259,8 +299,9 @@ def _norm_knob_overrides(job: list[str]) -> tuple[list[tuple[str, str]], list[st
     return knobs, forced
 
 
-def _check_job(hydra, job: list[str], config_dirs: list[str], multirun: bool, run_config) -> None:
-    """Check one job's values, compose its config and validate it; ConfigError names the job in a sweep."""
+def _check_job(hydra, job: list[str], config_dirs: list[str], multirun: bool, run_config):
+    """Check one job's values, compose its config and validate it; returns its RunConfig. ConfigError
+    names the job in a sweep."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
 
@@ -275,7 +316,7 @@ def _check_job(hydra, job: list[str], config_dirs: list[str], multirun: bool, ru
         if raw.get("norm", {}).get("name") in NORM_TRAITS:
             for knob, value in knobs:
                 check_norm_knob(raw["norm"]["name"], knob, value)
-        run_config.from_dict(raw)
+        return run_config.from_dict(raw)
     except ConfigError as err:
         raise ConfigError(f"{err}{where}") from None
 
@@ -476,7 +517,6 @@ def job_config(cfg: DictConfig):
     from hydra.types import RunMode
 
     from . import distributed
-    from .config import RunConfig
 
     hc = HydraConfig.get()
     run_cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
@@ -500,6 +540,78 @@ def ended_loss(run_cfg, output_dir: str) -> float | None:
     print(f"normlab: {run_name(run_cfg)} already {ended['status']} in {output_dir}: not trained again "
           "(overwrite=true trains it afresh)", file=sys.stderr)
     return rundir.final_loss(ended)
+
+
+@dataclass
+class PackMember:
+    """One job of a pack, as the launcher hands it from Hydra to the packed trainer and back: its RunConfig
+    and run dir; the result it already has if its run ended before (ended_loss); else, once the pack has
+    trained, its summary or the pack's error (`recorded`: that error is on record in its summary.json)."""
+
+    cfg: RunConfig
+    run_dir: str
+    ended: float | None = None
+    summary: dict | None = None
+    error: BaseException | None = None
+    recorded: bool = False
+
+
+def pack_member(cfg: DictConfig) -> PackMember:
+    """A pack's job as Hydra runs it before the pack trains (a task function: Hydra has made its dir): its
+    RunConfig, as `_task` builds it, and whether its run already ended. A bad config stops as in `_task`."""
+    from hydra.core.hydra_config import HydraConfig
+
+    output_dir = HydraConfig.get().runtime.output_dir
+    try:
+        run_cfg = job_config(cfg)
+    except ConfigError as err:
+        _stop(err)
+        raise
+    return PackMember(run_cfg, output_dir, ended_loss(run_cfg, output_dir))
+
+
+def train_members(members: list[PackMember]) -> None:
+    """Train the `members` whose runs have not ended as one pack (normlab.pack.train_pack), and give each
+    its summary, or the error that stopped the pack. A preemption stops the pack as it stops a job (`_task`)."""
+    from . import preempt
+    from .pack import train_pack
+    from .sinks import RunDirBusy
+    from .sweep import read_summary
+    from .train import run_name
+
+    training = [m for m in members if m.ended is None]
+    if not training:
+        return
+    try:
+        with preempt.watch() as previous_handlers:
+            summaries = train_pack([(m.cfg, m.run_dir) for m in training])
+    except preempt.Preempted as stop:
+        names = ", ".join(run_name(m.cfg) for m in training)
+        log.warning("pack of %s: %s; resume=auto in their run dirs continues it", names, stop)
+        print(f"normlab: pack of {names} {stop.status}: {stop}; resume=auto in their run dirs continues it", file=sys.stderr)
+        preempt.chain(stop.signum, previous_handlers)
+        raise
+    except Exception as err:
+        for m in training:
+            # train_pack records its failure in every summary.json; a busy run dir is another process's to write.
+            recorded = (read_summary(Path(m.run_dir)) or {}).get("error") == f"{type(err).__name__}: {err}"
+            m.error, m.recorded = err, recorded or isinstance(err, RunDirBusy)
+        return
+    for m, summary in zip(training, summaries):
+        m.summary = summary
+
+
+def member_result(member: PackMember) -> float:
+    """A pack's job as Hydra runs it after the pack trained (inside a task function): what `_task` returns
+    for it, the final validation loss (NaN if diverged), or for a failed pack what a failed job gives
+    (`_job_failed`: one line, NaN, or the end of the sweep under fail_fast)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if member.ended is not None:
+        return member.ended
+    if member.error is not None:
+        return _job_failed(HydraConfig.get(), member.cfg, member.error, recorded=member.recorded)
+    return member.summary["final_val_loss"]
 
 
 def sweep_group(hc) -> str:

@@ -644,7 +644,7 @@ def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:
         rundir.record_failure(hc.runtime.output_dir, run_cfg, err)
     name, multirun = run_name(run_cfg), hc.mode == RunMode.MULTIRUN
     what = f"the disk is full ({err})" if disk_full(err) else f"{type(err).__name__}: {err}"
-    log.error("job %s failed: %s", name, what, exc_info=not disk_full(err))
+    log.error("job %s failed: %s", name, what, exc_info=None if disk_full(err) else err)
     print(f"normlab: error: job {hc.job.num} ({name}) failed: {what}" if multirun else f"normlab: error: {name} failed: {what}",
           file=sys.stderr)
     if not multirun or run_cfg.fail_fast:

@@ -137,6 +137,7 @@ def test_a_failing_pack_fails_each_of_its_jobs_and_the_sweep_goes_on(tmp_path):
     for run_dir in runs.values():
         summary = _summary(run_dir)
         assert summary["status"] == "failed" and "small.txt" in summary["error"]
+        assert "Traceback (most recent call last)" in (run_dir / "normlab.log").read_text()  # as a failed job's log
     failures = [line for line in result.stderr.splitlines() if line.startswith("normlab: error:")]
     assert len(failures) == 2 and "job 0" in failures[0] and "job 1" in failures[1]
     assert "sweep: 2 jobs (2 failed), best first" in result.stdout

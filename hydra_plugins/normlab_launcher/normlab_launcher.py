@@ -142,9 +142,10 @@ def run_pack(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config) -
         logs += files
     configure_log(configs[0].hydra.job_logging, configs[0].hydra.verbose)
     with _also_logged_to(logs):  # pass 2: train
-        if any(m.ended is None for m in members):
-            log.info(f"pack of {len(unit)} jobs ({', '.join(f'#{idx}' for idx, _ in unit)}) trains as one packed "
-                     "model; this log is in each of their job logs")
+        training = [f"#{idx}" for (idx, _), member in zip(unit, members) if member.ended is None]
+        if training:
+            log.info(f"pack of {len(training)} jobs ({', '.join(training)}) trains as one packed model; "
+                     "this log is in each of their job logs")
         app.train_members(members)
     returns = []
     for sweep_config, member in zip(configs, members):  # pass 3: callbacks and returns

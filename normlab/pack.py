@@ -42,6 +42,7 @@ from .config import ConfigError, RunConfig, bookkeeping_keys
 from .data import Corpus, load_corpus
 from .flops import model_flops_per_token, peak_flops
 from .model import GPT
+from .pack_telemetry import PackedProbe
 from .packing import PackedAdamW, PackedModel, clip_members, member_view
 from .sinks import RunDir, Sink, SinkContext, open_sinks
 from .train import (
@@ -222,7 +223,8 @@ def _fit_pack(members: list[Member], corpus: Corpus) -> list[dict[str, Any]]:
     log.info("pack of %d runs (%s, lr %s, seeds %s): %s, %s, %s parameters each", len(members), base.label,
              ", ".join(f"{c.lr:g}" for c in cfgs), ", ".join(str(s) for s in generators), device, precision,
              f"{sum(p[0].numel() for p in pack.params.values()):,}")
-    loop = PackLoop(cfgs, members, pack, optimizer, held_out, precision, clock)
+    probe = PackedProbe(pack, base.telemetry.every, base.max_steps)
+    loop = PackLoop(cfgs, members, pack, optimizer, probe, held_out, precision, clock)
     loop.run(lambda: _next_batches(cfgs, loaders))
     return [loop.result(i, batchnorm, corpus) for i in range(len(members))]
 
@@ -237,8 +239,8 @@ class PackLoop:
     """The packed training loop: train.run_steps for M members at once, with per-member records."""
 
     def __init__(self, cfgs: list[RunConfig], members: list[Member], pack: PackedModel, optimizer: PackedAdamW,
-                 held_out: HeldOut, precision: str, clock: ThroughputClock):
-        self.cfgs, self.members, self.pack, self.optimizer = cfgs, members, pack, optimizer
+                 probe: PackedProbe, held_out: HeldOut, precision: str, clock: ThroughputClock):
+        self.cfgs, self.members, self.pack, self.optimizer, self.probe = cfgs, members, pack, optimizer, probe
         self.held_out, self.precision, self.clock = held_out, precision, clock
         self.base = cfgs[0]
         self.device = next(iter(pack.params.values())).device
@@ -264,12 +266,14 @@ class PackLoop:
             if not any(m.active for m in self.members):
                 break
             self.clock.on_step_start(clock_state)
-            loss, grad_norm = self._train_step(step, next_batches)
-            logged = step % base.log_every == 0 or step == base.max_steps - 1 or evaluated
+            watched = self.probe.active(step)
+            loss, grad_norm = self._train_step(step, next_batches, watched)
+            stats = self.probe.collect() if watched else None
+            logged = step % base.log_every == 0 or step == base.max_steps - 1 or evaluated or watched
             timing: dict[str, Any] | None = {} if logged else None
             self.clock.after_optimizer_step(clock_state, timing)
             if logged:
-                self._fill(step, records, loss, grad_norm, timing["tokens_per_s"])
+                self._fill(step, records, loss, grad_norm, stats, timing["tokens_per_s"])
                 self._diverged_at_log(records)
                 self._emit(records)
             if self.bar is not None:
@@ -280,27 +284,33 @@ class PackLoop:
         if self.bar is not None:
             self.bar.on_train_end(clock_state, {})
 
-    def _train_step(self, step: int, next_batches) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step of every member; returns their losses and gradient norms (M,), on the device."""
+    def _train_step(self, step: int, next_batches, watched: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step of every member, measured by the probe when `watched`; returns their losses and
+        gradient norms (M,), on the device."""
         base, pack = self.base, self.pack
         active = torch.tensor([m.active for m in self.members], device=self.device)
-        lr = torch.tensor([lr_at(step, c) for c in self.cfgs], device=self.device) * active
+        lrs = [lr_at(step, c) if m.active else 0.0 for c, m in zip(self.cfgs, self.members)]
         x, y = next_batches()
         total = torch.zeros(pack.size, device=self.device)
-        for xm, ym in zip(x.chunk(base.grad_accum, dim=1), y.chunk(base.grad_accum, dim=1)):
-            with autocast(self.device, self.precision):
-                loss = pack.losses(loss_fn, xm, ym)
-            (loss / base.grad_accum).sum().backward()
-            total += loss.detach()
+        with self.probe.watch() if watched else contextlib.nullcontext():
+            for xm, ym in zip(x.chunk(base.grad_accum, dim=1), y.chunk(base.grad_accum, dim=1)):
+                with autocast(self.device, self.precision):
+                    loss = pack.losses(loss_fn, xm, ym, watcher=self.probe if watched else None)
+                (loss / base.grad_accum).sum().backward()
+                total += loss.detach()
         loss = total / base.grad_accum
         self._observe(step, loss)
+        if watched:
+            self.probe.measure_gradients()
         for p in pack.params.values():
             if p.grad is not None:  # a frozen member's gradient (NaN, perhaps) is dropped
                 p.grad.copy_(torch.where(member_view(active, p.grad), p.grad, torch.zeros((), device=self.device)))
         max_norm = base.optim.grad_clip if base.optim.grad_clip > 0 else math.inf
         grad_norm = clip_members(list(pack.params.values()), max_norm)
         pack.advance_running_statistics()
-        self.optimizer.step(lr)
+        if watched:
+            self.probe.before_update()
+        self.optimizer.step(lrs)
         self.optimizer.zero_grad()
         for member in self.members:
             if member.active:
@@ -345,12 +355,14 @@ class PackLoop:
             records[i].update(val_loss=val, val_bpb=self.held_out.bits_per_byte(val))
 
     def _fill(self, step: int, records: dict[int, dict[str, Any]], loss: torch.Tensor, grad_norm: torch.Tensor,
-              tokens_per_s: float) -> None:
-        """A logged step's figures, in the order an unpacked record has them; tokens_per_s is the member's own
-        rate (its tokens over the pack's step time)."""
+              stats: list[dict[str, float]] | None, tokens_per_s: float) -> None:
+        """A logged step's figures, in the order an unpacked record has them: the member's loss, lr and gradient
+        norm, its telemetry, and its own throughput (its tokens over the pack's step time)."""
         losses, norms = loss.tolist(), grad_norm.tolist()
         for i, record in records.items():
-            record.update(loss=losses[i], lr=lr_at(step, self.cfgs[i]), grad_norm=norms[i], tokens_per_s=tokens_per_s)
+            record.update(loss=losses[i], lr=lr_at(step, self.cfgs[i]), grad_norm=norms[i])
+            record.update(stats[i] if stats is not None else {})
+            record["tokens_per_s"] = tokens_per_s
 
     def _emit(self, records: dict[int, dict[str, Any]]) -> None:
         for i, record in records.items():

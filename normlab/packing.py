@@ -196,6 +196,18 @@ class PackedAdamW:
             denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
             p.sub_((member_view(rate, p).to(p.dtype) * m) / denom)
 
+    def member_moments(self, m: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Member m's first and second moments by parameter name (copies)."""
+        return {n: (self.exp_avg[n][m].clone(), self.exp_avg_sq[n][m].clone()) for n in self.params}
+
+    @torch.no_grad()
+    def load_member_moments(self, m: int, moments: dict[str, tuple[torch.Tensor, torch.Tensor]], step_count: int) -> None:
+        """Put member m's moments (as member_moments gives them) back, and the step count all members share."""
+        self.step_count = step_count
+        for n, (first, second) in moments.items():
+            self.exp_avg[n][m].copy_(first)
+            self.exp_avg_sq[n][m].copy_(second)
+
     def zero_grad(self) -> None:
         for p in self.params.values():
             p.grad = None

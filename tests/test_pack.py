@@ -229,3 +229,44 @@ def test_batchnorm_members_keep_their_own_running_statistics():
         for name, buffer in model.named_buffers():
             torch.testing.assert_close(pack.buffers[name][i], buffer, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(pack.buffers["blocks.0.norm1.running_mean"][0], pack.buffers["blocks.0.norm1.running_mean"][1])
+
+
+def test_a_pack_resumed_from_its_checkpoints_continues_exactly(tmp_path, one_thread, monkeypatch):
+    from normlab import preempt
+
+    cfgs = grid("batch", "post", lrs=(1e-3, 3e-3), seeds=(0, 1))
+    for cfg in cfgs:
+        cfg.max_steps, cfg.ckpt.every, cfg.telemetry.every = 8, 3, 2
+    whole = train_pack([(cfg, tmp_path / f"whole{i}") for i, cfg in enumerate(cfgs)])
+    asked = iter(range(100))  # SIGTERM seen at the boundary after step 4 (the loop asks once per step)
+    with monkeypatch.context() as patch:
+        patch.setattr(preempt, "requested", lambda: 15 if next(asked) == 4 else None)
+        with pytest.raises(preempt.Preempted):
+            train_pack([(cfg, tmp_path / f"cut{i}") for i, cfg in enumerate(cfgs)])
+    cut = [json.loads((tmp_path / f"cut{i}" / "summary.json").read_text()) for i in range(len(cfgs))]
+    assert {s["status"] for s in cut} == {"preempted"} and {s["preempted_step"] for s in cut} == {5}
+    resumed = train_pack([(cfg, tmp_path / f"cut{i}") for i, cfg in enumerate(cfgs)])
+    for i in range(len(cfgs)):
+        worst, where = worst_difference(rows(tmp_path / f"whole{i}"), rows(tmp_path / f"cut{i}"))
+        assert worst == 0, where  # bit for bit
+        assert resumed[i]["final_val_loss"] == whole[i]["final_val_loss"]
+        assert resumed[i]["resumed_from_step"] == 5
+
+
+def test_a_members_checkpoint_resumes_unpacked(tmp_path, one_thread):
+    cfgs = grid("layer", "pre", lrs=(1e-3, 3e-3), seeds=(0,))
+    for cfg in cfgs:
+        cfg.max_steps, cfg.ckpt.every, cfg.ckpt.keep = 6, 3, 2
+    train_pack([(cfg, tmp_path / f"member{i}") for i, cfg in enumerate(cfgs)])
+    alone = replace(cfgs[1], max_steps=6)
+    train(alone, tmp_path / "alone")
+    # The member's checkpoint of step 3 continues as an unpacked run, from a copy of its run dir cut back to step 3.
+    import shutil
+
+    shutil.copytree(tmp_path / "member1", tmp_path / "continued")
+    (tmp_path / "continued" / "checkpoints" / "step-000006.pt").unlink()
+    (tmp_path / "continued" / "summary.json").unlink()
+    summary = train(cfgs[1], tmp_path / "continued")
+    assert summary["resumed_from_step"] == 3
+    worst, where = worst_difference(rows(tmp_path / "alone"), rows(tmp_path / "continued"))
+    assert worst < 1, where

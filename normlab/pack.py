@@ -37,12 +37,15 @@ import torch
 
 from . import distributed, preempt
 from .callbacks import BatchNormSteps, RunReport, TelemetryProducts, ThroughputClock, progress
-from .checkpoint import Checkpointer, flatten_config, resolve_resume, rewind
+from .checkpoint import Checkpoint, Checkpointer, flatten_config, resolve_resume, rewind
 from .config import ConfigError, RunConfig, bookkeeping_keys
 from .data import Corpus, load_corpus
 from .flops import model_flops_per_token, peak_flops
 from .model import GPT
+from .pack_checkpoint import OptimizerLayout, Saved, guard_state, member_checkpoint_state, restore_member
+from .pack_telemetry import PackedProbe
 from .packing import PackedAdamW, PackedModel, clip_members, member_view
+from .preempt import Preempted
 from .sinks import RunDir, Sink, SinkContext, open_sinks
 from .train import (
     HeldOut, _record_end, autocast, batch_loader, configure_determinism, configure_host_allocator, configure_matmul,
@@ -111,6 +114,8 @@ class Member:
     diverged_step: int | None = None
     products: TelemetryProducts | None = None
     report: RunReport | None = None
+    resumed: Checkpoint | None = None
+    checkpointer: Checkpointer | None = None
 
     @property
     def active(self) -> bool:
@@ -138,17 +143,18 @@ def train_pack(members: Sequence[tuple[RunConfig, str | os.PathLike]]) -> list[d
 
 
 def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
+    """train_pack() inside the run dirs' locks: refuse, or start (or resume) every member, train, record the ends."""
     started = time.time()
-    for member in members:
-        if resolve_resume(member.cfg, member.run_dir.path) is not None:
-            raise ConfigError(f"pack=true: {member.run_dir.path} holds a checkpoint; packs start fresh (resume=null or overwrite=true)")
+    _resume_points(members)
     summaries = [summary_head(m.cfg) for m in members]
     exit_code = 1
     try:
         corpus = load_corpus(members[0].cfg.data, members[0].cfg.tokenizer)
-        for summary in summaries:
+        for member, summary in zip(members, summaries):
             summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256,
                            tokenizer=corpus.tokenizer.identity)
+            if member.resumed is not None:
+                member.resumed.check_corpus(corpus.sha256)
         with preempt.deferred():  # from here the run dirs change: no signal leaves one halfway
             for member in members:
                 _open_run(member, corpus)
@@ -156,6 +162,12 @@ def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
         for summary, result in zip(summaries, results):
             summary.update(result)
         exit_code = 0
+    except Preempted as stop:
+        start = members[0].resumed.step if members[0].resumed else 0
+        for summary in summaries:
+            summary.update(status=stop.status, preempted_step=start if stop.step is None else stop.step)
+        exit_code = 128 + stop.signum
+        raise
     except BaseException as err:
         for summary in summaries:
             summary["status"] = "failed"
@@ -173,15 +185,32 @@ def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
     return summaries
 
 
+def _resume_points(members: list[Member]) -> None:
+    """Each member's checkpoint to resume from (resolve_resume, which refuses in one line before anything
+    changes); a pack resumes only when every member has one, all of one step."""
+    for member in members:
+        member.resumed = resolve_resume(member.cfg, member.run_dir.path)
+    steps = {None if m.resumed is None else m.resumed.step for m in members}
+    if len(steps) > 1:
+        found = ", ".join(f"{m.cfg.run_name}: {'none' if m.resumed is None else m.resumed.step}" for m in members)
+        raise ConfigError(
+            f"pack=true: the members' checkpoints are at different steps ({found}): a pack resumes from one step; "
+            "resume these runs with pack=false, or start them afresh (overwrite=true)"
+        )
+
+
 def _open_run(member: Member, corpus: Corpus) -> None:
-    """Start a member's run dir as train() starts a fresh run's: reserve room, config.json, sinks."""
-    run_dir, cfg = member.run_dir, member.cfg
+    """Start (or, resuming, rewind) a member's run dir as train() does: reserve room, config.json, sinks."""
+    run_dir, cfg, resumed = member.run_dir, member.cfg, member.resumed
     run_dir.reserve()
     run_dir.write_config(cfg.to_dict())
     if corpus.tokenizer.kind != "byte":
         corpus.tokenizer.save(run_dir.path / "tokenizer.json")
-    history = rewind(run_dir.path, 0)
-    open_sinks(SinkContext(cfg, run_dir, run_name(cfg), secrets.token_hex(4), None, history), into=member.sinks)
+    start_step = resumed.step if resumed else None
+    history = rewind(run_dir.path, start_step or 0)
+    wandb_run_id = (resumed.wandb_run_id if resumed else None) or secrets.token_hex(4)
+    member.checkpointer = Checkpointer(run_dir.path, cfg, wandb_run_id=wandb_run_id, corpus_sha256=corpus.sha256)
+    open_sinks(SinkContext(cfg, run_dir, run_name(cfg), wandb_run_id, start_step, history), into=member.sinks)
     member.products = TelemetryProducts(member.sinks)
     member.report = RunReport(run_name(cfg), "", str(run_dir.path))
 
@@ -222,7 +251,11 @@ def _fit_pack(members: list[Member], corpus: Corpus) -> list[dict[str, Any]]:
     log.info("pack of %d runs (%s, lr %s, seeds %s): %s, %s, %s parameters each", len(members), base.label,
              ", ".join(f"{c.lr:g}" for c in cfgs), ", ".join(str(s) for s in generators), device, precision,
              f"{sum(p[0].numel() for p in pack.params.values()):,}")
-    loop = PackLoop(cfgs, members, pack, optimizer, held_out, precision, clock)
+    probe = PackedProbe(pack, base.telemetry.every, base.max_steps)
+    loop = PackLoop(cfgs, members, pack, optimizer, probe, held_out, precision, clock)
+    loop.checkpoints(OptimizerLayout(pack.template, base, device), generators)
+    if members[0].resumed is not None:
+        loop.restore()
     loop.run(lambda: _next_batches(cfgs, loaders))
     return [loop.result(i, batchnorm, corpus) for i in range(len(members))]
 
@@ -237,8 +270,8 @@ class PackLoop:
     """The packed training loop: train.run_steps for M members at once, with per-member records."""
 
     def __init__(self, cfgs: list[RunConfig], members: list[Member], pack: PackedModel, optimizer: PackedAdamW,
-                 held_out: HeldOut, precision: str, clock: ThroughputClock):
-        self.cfgs, self.members, self.pack, self.optimizer = cfgs, members, pack, optimizer
+                 probe: PackedProbe, held_out: HeldOut, precision: str, clock: ThroughputClock):
+        self.cfgs, self.members, self.pack, self.optimizer, self.probe = cfgs, members, pack, optimizer, probe
         self.held_out, self.precision, self.clock = held_out, precision, clock
         self.base = cfgs[0]
         self.device = next(iter(pack.params.values())).device
@@ -246,6 +279,45 @@ class PackLoop:
         self.limit: torch.Tensor | None = None  # each member's divergence threshold (factor × its first loss)
         self.first_bad = torch.full((pack.size,), -1, dtype=torch.long, device=self.device)
         self.bar = progress(self.base.max_steps, f"pack of {pack.size} ({self.base.label})") if self.base.progress else None
+        self.start_step = 0
+
+    def checkpoints(self, layout: OptimizerLayout, generators: dict[int, torch.Generator]) -> None:
+        """What saving needs beside the pack: the optimizer's state_dict layout and the data generators by seed."""
+        self.layout, self.generators = layout, generators
+
+    def restore(self) -> None:
+        """Continue from the members' checkpoints (all of one step): each restored as an unpacked run restores."""
+        limits = []
+        for i, member in enumerate(self.members):
+            restored = restore_member(self.pack, self.optimizer, i, member.resumed, self.cfgs[i])
+            self.start_step = restored.step
+            member.tokens = restored.counters["tokens"]
+            member.best_val, member.last_val = restored.counters["best_val"], restored.counters["last_val"]
+            self.eval_time = restored.counters["eval_time"]
+            self.generators[self.cfgs[i].seed].set_state(restored.generator_state)
+            limits.append(restored.guard["limit"])
+            self.first_bad[i] = restored.guard["first_bad"].to(self.device)
+            member.products.load_state_dict({"records": restored.records})
+            if i == 0:
+                self.clock.load_state_dict(restored.clock)
+        if all(limit is not None for limit in limits):
+            self.limit = torch.stack(limits).to(self.device)
+
+    def save(self, step: int) -> None:
+        """Write every member still training a checkpoint of `step`, each into its run dir, as an unpacked run's."""
+        for i, member in enumerate(self.members):
+            if not member.active:
+                continue
+            cfg = self.cfgs[i]
+            counters = {"tokens": member.tokens, "best_val": member.best_val, "last_val": member.last_val,
+                        "eval_time": self.eval_time}
+            state = member_checkpoint_state(self.pack, self.optimizer, self.layout, i, step=step,
+                                            lr=lr_at(step - 1, cfg), generator=self.generators[cfg.seed], counters=counters)
+            member.checkpointer.save(state, [
+                Saved("divergence_guard", guard_state(cfg.diverge_factor, self.limit, self.first_bad, i)),
+                Saved("throughput", self.clock.state_dict()),
+                Saved("telemetry_products", member.products.state_dict()),
+            ])
 
     def run(self, next_batches) -> None:
         """Train every member from step 0 to max_steps (or until it diverges), emitting its records."""
@@ -253,7 +325,8 @@ class PackLoop:
         self.pack.template.train()
         if self.bar is not None:
             self.bar.on_train_start(clock_state)
-        for step in range(base.max_steps + 1):
+        preempt.training_started()
+        for step in range(self.start_step, base.max_steps + 1):
             records = {i: {"step": step, "tokens": m.tokens} for i, m in enumerate(self.members) if m.active}
             evaluated = (base.eval_every > 0 and step % base.eval_every == 0) or step == base.max_steps
             if evaluated:
@@ -264,43 +337,61 @@ class PackLoop:
             if not any(m.active for m in self.members):
                 break
             self.clock.on_step_start(clock_state)
-            loss, grad_norm = self._train_step(step, next_batches)
-            logged = step % base.log_every == 0 or step == base.max_steps - 1 or evaluated
+            watched = self.probe.active(step)
+            loss, grad_norm = self._train_step(step, next_batches, watched)
+            stats = self.probe.collect() if watched else None
+            logged = step % base.log_every == 0 or step == base.max_steps - 1 or evaluated or watched
             timing: dict[str, Any] | None = {} if logged else None
             self.clock.after_optimizer_step(clock_state, timing)
             if logged:
-                self._fill(step, records, loss, grad_norm, timing["tokens_per_s"])
+                self._fill(step, records, loss, grad_norm, stats, timing["tokens_per_s"])
                 self._diverged_at_log(records)
                 self._emit(records)
             if self.bar is not None:
                 self.bar.on_step_end(clock_state, self._bar_record(records) if logged and records else None)
+            self._step_boundary(step + 1)
+        self.save(base.max_steps)  # the members that completed (diverged ones keep their last periodic checkpoint)
         clock_state.tokens = max(m.tokens for m in self.members)
         self.clock_summary: dict[str, Any] = {}
         self.clock.on_train_end(clock_state, self.clock_summary)
         if self.bar is not None:
             self.bar.on_train_end(clock_state, {})
 
-    def _train_step(self, step: int, next_batches) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step of every member; returns their losses and gradient norms (M,), on the device."""
+    def _step_boundary(self, step: int) -> None:
+        """After `step` updates: a periodic checkpoint when due, and on a preemption signal a checkpoint and Preempted."""
+        signum = preempt.requested()
+        if signum is not None or self.members[0].checkpointer.due(step):
+            self.save(step)
+        if signum is not None:
+            raise Preempted(signum, step)
+
+    def _train_step(self, step: int, next_batches, watched: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step of every member, measured by the probe when `watched`; returns their losses and
+        gradient norms (M,), on the device."""
         base, pack = self.base, self.pack
         active = torch.tensor([m.active for m in self.members], device=self.device)
-        lr = torch.tensor([lr_at(step, c) for c in self.cfgs], device=self.device) * active
+        lrs = [lr_at(step, c) if m.active else 0.0 for c, m in zip(self.cfgs, self.members)]
         x, y = next_batches()
         total = torch.zeros(pack.size, device=self.device)
-        for xm, ym in zip(x.chunk(base.grad_accum, dim=1), y.chunk(base.grad_accum, dim=1)):
-            with autocast(self.device, self.precision):
-                loss = pack.losses(loss_fn, xm, ym)
-            (loss / base.grad_accum).sum().backward()
-            total += loss.detach()
+        with self.probe.watch() if watched else contextlib.nullcontext():
+            for xm, ym in zip(x.chunk(base.grad_accum, dim=1), y.chunk(base.grad_accum, dim=1)):
+                with autocast(self.device, self.precision):
+                    loss = pack.losses(loss_fn, xm, ym, watcher=self.probe if watched else None)
+                (loss / base.grad_accum).sum().backward()
+                total += loss.detach()
         loss = total / base.grad_accum
         self._observe(step, loss)
+        if watched:
+            self.probe.measure_gradients()
         for p in pack.params.values():
             if p.grad is not None:  # a frozen member's gradient (NaN, perhaps) is dropped
                 p.grad.copy_(torch.where(member_view(active, p.grad), p.grad, torch.zeros((), device=self.device)))
         max_norm = base.optim.grad_clip if base.optim.grad_clip > 0 else math.inf
         grad_norm = clip_members(list(pack.params.values()), max_norm)
         pack.advance_running_statistics()
-        self.optimizer.step(lr)
+        if watched:
+            self.probe.before_update()
+        self.optimizer.step(lrs)
         self.optimizer.zero_grad()
         for member in self.members:
             if member.active:
@@ -345,12 +436,14 @@ class PackLoop:
             records[i].update(val_loss=val, val_bpb=self.held_out.bits_per_byte(val))
 
     def _fill(self, step: int, records: dict[int, dict[str, Any]], loss: torch.Tensor, grad_norm: torch.Tensor,
-              tokens_per_s: float) -> None:
-        """A logged step's figures, in the order an unpacked record has them; tokens_per_s is the member's own
-        rate (its tokens over the pack's step time)."""
+              stats: list[dict[str, float]] | None, tokens_per_s: float) -> None:
+        """A logged step's figures, in the order an unpacked record has them: the member's loss, lr and gradient
+        norm, its telemetry, and its own throughput (its tokens over the pack's step time)."""
         losses, norms = loss.tolist(), grad_norm.tolist()
         for i, record in records.items():
-            record.update(loss=losses[i], lr=lr_at(step, self.cfgs[i]), grad_norm=norms[i], tokens_per_s=tokens_per_s)
+            record.update(loss=losses[i], lr=lr_at(step, self.cfgs[i]), grad_norm=norms[i])
+            record.update(stats[i] if stats is not None else {})
+            record["tokens_per_s"] = tokens_per_s
 
     def _emit(self, records: dict[int, dict[str, Any]]) -> None:
         for i, record in records.items():
@@ -365,6 +458,8 @@ class PackLoop:
         """Member i's part of summary.json, as train._fit makes it, and the pack's size and throughput."""
         member, cfg = self.members[i], self.cfgs[i]
         out: dict[str, Any] = {"status": "completed"}
+        if member.resumed is not None:
+            out["resumed_from_step"] = member.resumed.step
         if member.diverged_step is not None:
             out.update(status="diverged", diverged_step=member.diverged_step)
         out.update(

@@ -53,18 +53,29 @@ class PackedModel:
         """(M, B, T, vocab) logits for token ids of shape (M, B, T): member m reads idx[m]."""
         return vmap(self._member_logits)(self.params, self.buffers, idx)
 
-    def losses(self, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool = False,
-               extra: Callable | None = None):
+    def losses(self, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool = False, watcher=None):
         """Each member's loss_fn(logits, targets), shape (M,). `shared`: x and y, (B, T), are the same for
-        every member (held-out batches), else (M, B, T). `extra`, called inside the batched call after the
-        forward, returns per-member tensors (telemetry) to return beside the losses."""
+        every member (held-out batches), else (M, B, T).
 
-        def member(params, buffers, xm, ym):
-            loss = loss_fn(self._member_logits(params, buffers, xm), ym)
-            return (loss, extra()) if extra is not None else loss
-
+        `watcher` (telemetry, normlab.pack_telemetry.PackedProbe) sees inside the batched call: `taps(x)`
+        gives tensors (M, ...) passed in per member, `begin(taps)` runs before each member's forward and
+        `end()` after it, returning per-member tensors that `absorb` receives, stacked, after the call."""
         data_dims = None if shared else 0
-        return vmap(member, in_dims=(0, 0, data_dims, data_dims))(self.params, self.buffers, x, y)
+        if watcher is None:
+            def member(params, buffers, xm, ym):
+                return loss_fn(self._member_logits(params, buffers, xm), ym)
+
+            return vmap(member, in_dims=(0, 0, data_dims, data_dims))(self.params, self.buffers, x, y)
+
+        def watched(params, buffers, xm, ym, taps):
+            watcher.begin(taps)
+            loss = loss_fn(self._member_logits(params, buffers, xm), ym)
+            return loss, watcher.end()
+
+        taps = watcher.taps(self.size, x)
+        loss, seen = vmap(watched, in_dims=(0, 0, data_dims, data_dims, 0))(self.params, self.buffers, x, y, taps)
+        watcher.absorb(seen)
+        return loss
 
     def advance_running_statistics(self) -> None:
         """One step of every BatchNorm's running statistics, per member (norms.StepStatistics)."""
@@ -162,22 +173,40 @@ class PackedAdamW:
         self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in params.items()}
 
     @torch.no_grad()
-    def step(self, lr: torch.Tensor) -> None:
-        """One update; `lr` (M,) on the parameters' device, 0 for a frozen member."""
+    def step(self, lrs: Sequence[float]) -> None:
+        """One update with member m's learning rate lrs[m] (0 for a frozen member).
+
+        The per-member factors 1 − lr·wd and lr/(1 − β₁ᵗ) are computed in double precision and rounded once,
+        as torch's AdamW rounds its Python scalars, and the update is (factor·m)/denom as torch's addcdiv
+        computes it: a member's update is torch's, bit for bit, for the same gradient."""
         self.step_count += 1
         bias1 = 1 - self.beta1 ** self.step_count
         bias2_sqrt = (1 - self.beta2 ** self.step_count) ** 0.5
+        device = next(iter(self.params.values())).device
+        decay = torch.tensor([1 - lr * self.weight_decay for lr in lrs], device=device)
+        rate = torch.tensor([lr / bias1 for lr in lrs], device=device)
         for name, p in self.params.items():
             if p.grad is None:
                 continue
             g, m, v = p.grad, self.exp_avg[name], self.exp_avg_sq[name]
-            rate = member_view(lr, p).to(p.dtype)
             if name in self.decay and self.weight_decay:
-                p.mul_(1 - rate * self.weight_decay)
+                p.mul_(member_view(decay, p).to(p.dtype))
             m.lerp_(g, 1 - self.beta1)
             v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
             denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
-            p.sub_((m / denom).mul_(rate / bias1))
+            p.sub_((member_view(rate, p).to(p.dtype) * m) / denom)
+
+    def member_moments(self, m: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Member m's first and second moments by parameter name (copies)."""
+        return {n: (self.exp_avg[n][m].clone(), self.exp_avg_sq[n][m].clone()) for n in self.params}
+
+    @torch.no_grad()
+    def load_member_moments(self, m: int, moments: dict[str, tuple[torch.Tensor, torch.Tensor]], step_count: int) -> None:
+        """Put member m's moments (as member_moments gives them) back, and the step count all members share."""
+        self.step_count = step_count
+        for n, (first, second) in moments.items():
+            self.exp_avg[n][m].copy_(first)
+            self.exp_avg_sq[n][m].copy_(second)
 
     def zero_grad(self) -> None:
         for p in self.params.values():

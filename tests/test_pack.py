@@ -15,6 +15,13 @@ from normlab.model import GPT
 from normlab.train import train
 
 TOLERANCE = 1e-5  # relative, the issue's bound for a member against its unpacked run (fp32, CPU)
+# Telemetry of the weights after Adam's updates (update ratios, norm-parameter and attention statistics) is
+# held to 1e-3: the gradients of some norm parameters are rounding noise (BatchNorm subtracts what they
+# add), and Adam's first updates, g/(|g| + eps), turn that noise into weight changes of full size, so these
+# figures follow the kernels' summation order. Measured on this CPU: an unpacked run on 2 threads instead of
+# 1 moves update_ratio/L00/norms by 3.8e-4 and norm/gain_std by 1.1e-4 (BatchNorm, post, lr 1e-2).
+WEIGHT_TOLERANCE = 1e-3
+WEIGHT_STATS = ("update_ratio/", "norm/", "attn/")
 
 
 def rows(run_dir):
@@ -31,7 +38,9 @@ def grid(norm, placement, lrs=(1e-3, 3e-3, 1e-2), seeds=(0, 1), **overrides):
 
 
 def worst_difference(expected, got, skip=("tokens_per_s",)):
-    """The largest relative difference between two runs' metrics rows, and where; the rows must match in steps and keys."""
+    """The largest relative difference between two runs' metrics rows, as a multiple of each key's tolerance
+    (TOLERANCE, or WEIGHT_TOLERANCE for WEIGHT_STATS), and where; the rows must match in steps and keys.
+    Below 1: every value is within its tolerance."""
     assert [r["step"] for r in expected] == [r["step"] for r in got]
     worst, where = 0.0, None
     for a, b in zip(expected, got):
@@ -43,7 +52,8 @@ def worst_difference(expected, got, skip=("tokens_per_s",)):
             if math.isnan(value):
                 assert math.isnan(b[key]), (a["step"], key)
                 continue
-            diff = abs(value - b[key]) / max(abs(value), 1e-12)
+            bound = WEIGHT_TOLERANCE if key.startswith(WEIGHT_STATS) else TOLERANCE
+            diff = abs(value - b[key]) / max(abs(value), 1e-12) / bound
             if diff > worst:
                 worst, where = diff, (a["step"], key, value, b[key])
     return worst, where
@@ -70,11 +80,11 @@ def test_each_member_of_a_pack_equals_its_unpacked_run(norm, placement, model, t
     cfgs = grid(norm, placement)
     for cfg in cfgs:
         cfg.model = replace(cfg.model, **model)
-        cfg.telemetry.every = 0  # telemetry per member: see test_telemetry_of_each_member_equals_its_unpacked_runs
+        cfg.telemetry.every = 2
     summaries = train_both(cfgs, tmp_path)
     for i, cfg in enumerate(cfgs):
         worst, where = worst_difference(rows(tmp_path / f"run{i}"), rows(tmp_path / f"member{i}"))
-        assert worst < TOLERANCE, (cfg.run_name, where)
+        assert worst < 1, (cfg.run_name, where)
         alone = json.loads((tmp_path / f"run{i}" / "summary.json").read_text())
         assert summaries[i]["status"] == alone["status"] == "completed"
         assert summaries[i]["name"] == alone["name"] == cfg.run_name
@@ -90,7 +100,7 @@ def test_batchnorm_with_biases_agrees_in_training_and_within_rounding_noise_in_e
     for i, cfg in enumerate(cfgs):
         expected, got = rows(tmp_path / f"run{i}"), rows(tmp_path / f"member{i}")
         worst, where = worst_difference(expected, got, skip=("tokens_per_s", "val_loss", "val_bpb"))
-        assert worst < TOLERANCE, (cfg.run_name, where)
+        assert worst < 1, (cfg.run_name, where)
         for a, b in zip(expected, got):
             if "val_loss" in a:
                 assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-4)
@@ -109,7 +119,7 @@ def test_a_diverged_member_is_recorded_and_frozen_while_the_others_go_on(tmp_pat
     assert summaries[0]["status"] == "completed"
     for i in range(2):
         worst, where = worst_difference(rows(tmp_path / f"run{i}"), rows(tmp_path / f"member{i}"))
-        assert worst < TOLERANCE, where
+        assert worst < 1, where
     assert math.isfinite(summaries[0]["final_val_loss"])
 
 
@@ -155,10 +165,10 @@ def test_packed_adamw_takes_torch_adamw_steps_per_member_lr():
             references[i].step()
         for n, p in pack.params.items():
             p.grad = grads[n].clone()
-        packed.step(torch.tensor(lrs))
+        packed.step(lrs)
     for i, m in enumerate(members):
         for n, p in m.named_parameters():
-            torch.testing.assert_close(pack.params[n][i], p, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(pack.params[n][i], p, rtol=0, atol=0)  # bit for bit
 
 
 def test_clipping_is_per_member():
@@ -219,3 +229,44 @@ def test_batchnorm_members_keep_their_own_running_statistics():
         for name, buffer in model.named_buffers():
             torch.testing.assert_close(pack.buffers[name][i], buffer, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(pack.buffers["blocks.0.norm1.running_mean"][0], pack.buffers["blocks.0.norm1.running_mean"][1])
+
+
+def test_a_pack_resumed_from_its_checkpoints_continues_exactly(tmp_path, one_thread, monkeypatch):
+    from normlab import preempt
+
+    cfgs = grid("batch", "post", lrs=(1e-3, 3e-3), seeds=(0, 1))
+    for cfg in cfgs:
+        cfg.max_steps, cfg.ckpt.every, cfg.telemetry.every = 8, 3, 2
+    whole = train_pack([(cfg, tmp_path / f"whole{i}") for i, cfg in enumerate(cfgs)])
+    asked = iter(range(100))  # SIGTERM seen at the boundary after step 4 (the loop asks once per step)
+    with monkeypatch.context() as patch:
+        patch.setattr(preempt, "requested", lambda: 15 if next(asked) == 4 else None)
+        with pytest.raises(preempt.Preempted):
+            train_pack([(cfg, tmp_path / f"cut{i}") for i, cfg in enumerate(cfgs)])
+    cut = [json.loads((tmp_path / f"cut{i}" / "summary.json").read_text()) for i in range(len(cfgs))]
+    assert {s["status"] for s in cut} == {"preempted"} and {s["preempted_step"] for s in cut} == {5}
+    resumed = train_pack([(cfg, tmp_path / f"cut{i}") for i, cfg in enumerate(cfgs)])
+    for i in range(len(cfgs)):
+        worst, where = worst_difference(rows(tmp_path / f"whole{i}"), rows(tmp_path / f"cut{i}"))
+        assert worst == 0, where  # bit for bit
+        assert resumed[i]["final_val_loss"] == whole[i]["final_val_loss"]
+        assert resumed[i]["resumed_from_step"] == 5
+
+
+def test_a_members_checkpoint_resumes_unpacked(tmp_path, one_thread):
+    cfgs = grid("layer", "pre", lrs=(1e-3, 3e-3), seeds=(0,))
+    for cfg in cfgs:
+        cfg.max_steps, cfg.ckpt.every, cfg.ckpt.keep = 6, 3, 2
+    train_pack([(cfg, tmp_path / f"member{i}") for i, cfg in enumerate(cfgs)])
+    alone = replace(cfgs[1], max_steps=6)
+    train(alone, tmp_path / "alone")
+    # The member's checkpoint of step 3 continues as an unpacked run, from a copy of its run dir cut back to step 3.
+    import shutil
+
+    shutil.copytree(tmp_path / "member1", tmp_path / "continued")
+    (tmp_path / "continued" / "checkpoints" / "step-000006.pt").unlink()
+    (tmp_path / "continued" / "summary.json").unlink()
+    summary = train(cfgs[1], tmp_path / "continued")
+    assert summary["resumed_from_step"] == 3
+    worst, where = worst_difference(rows(tmp_path / "alone"), rows(tmp_path / "continued"))
+    assert worst < 1, where

@@ -509,7 +509,7 @@ def _task(cfg: DictConfig) -> float:
     return summary["final_val_loss"]
 
 
-def job_config(cfg: DictConfig):
+def job_config(cfg: DictConfig) -> RunConfig:
     """The RunConfig of the Hydra job running now (HydraConfig is set): `cfg` resolved and validated, with
     the job's overrides for wandb's config and, in a multirun, the sweep's wandb group unless one is set.
     Raises ConfigError (one line) for a config that cannot be trained."""
@@ -527,7 +527,7 @@ def job_config(cfg: DictConfig):
     return run_cfg
 
 
-def ended_loss(run_cfg, output_dir: str) -> float | None:
+def ended_loss(run_cfg: RunConfig, output_dir: str) -> float | None:
     """For a job whose run already ended in `output_dir` with this config (checkpoint.ended_run): one line
     on stderr saying it is not trained again, and its final validation loss (NaN if it has none); else None."""
     from .checkpoint import ended_run
@@ -587,8 +587,9 @@ def train_members(members: list[PackMember]) -> None:
             summaries = train_pack([(m.cfg, m.run_dir) for m in training])
     except preempt.Preempted as stop:
         names = ", ".join(run_name(m.cfg) for m in training)
-        log.warning("pack of %s: %s; resume=auto in their run dirs continues it", names, stop)
-        print(f"normlab: pack of {names} {stop.status}: {stop}; resume=auto in their run dirs continues it", file=sys.stderr)
+        again = f"the sweep run again with hydra.sweep.dir={Path(training[0].run_dir).parent} resumes it (resume=auto)"
+        log.warning("pack of %s: %s; %s", names, stop, again)
+        print(f"normlab: pack of {names} {stop.status}: {stop}; {again}", file=sys.stderr)
         preempt.chain(stop.signum, previous_handlers)
         raise
     except Exception as err:

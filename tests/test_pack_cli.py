@@ -6,6 +6,10 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -141,6 +145,32 @@ def test_a_failing_pack_fails_each_of_its_jobs_and_the_sweep_goes_on(tmp_path):
     failures = [line for line in result.stderr.splitlines() if line.startswith("normlab: error:")]
     assert len(failures) == 2 and "job 0" in failures[0] and "job 1" in failures[1]
     assert "sweep: 2 jobs (2 failed), best first" in result.stdout
+
+
+def test_a_preempted_pack_resumes_when_its_sweep_runs_again(tmp_path):
+    sweep = ["train", "-m", *TINY, "max_steps=200", "eval_every=100", "ckpt.every=1000", "progress=false",
+             "wandb.mode=disabled", "lr=1e-3,3e-3", "pack=true", "hydra.sweep.dir=sweep"]
+    proc = subprocess.Popen([sys.executable, "-m", "normlab", *sweep], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    first = tmp_path / "sweep" / "0_layer-pre-d2-lr1e-3-s0" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (first.exists() and len(first.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "normlab: pack of layer-pre-d2-lr1e-3-s0, layer-pre-d2-lr3e-3-s0 preempted" in err
+    runs = _runs(tmp_path / "sweep")
+    [step] = {_summary(d)["preempted_step"] for d in runs.values()}
+    assert all(_summary(d)["status"] == "preempted" for d in runs.values())
+    again = normlab(*sweep, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for run_dir in runs.values():
+        summary = _summary(run_dir)
+        assert summary["status"] == "completed" and summary["resumed_from_step"] == step
+        assert [r["step"] for r in _rows(run_dir)] == list(range(201))
+    assert "sweep: 2 jobs (2 completed), best first" in again.stdout
 
 
 def _installed(plugin: str) -> bool:

@@ -92,8 +92,10 @@ def check_pack(cfgs: Sequence[RunConfig]) -> None:
         raise ConfigError("pack=true with compile=true: a pack trains eager; set compile=false, or pack=false to compile each run")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or distributed.is_active():
         raise ConfigError("pack=true under torchrun: a pack trains in one process; run it without torchrun, or pack=false for DDP")
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if cfg.device == "auto" else cfg.device)
+    try:
+        device = resolve_device(cfg.device)
+    except RuntimeError:  # device=cuda without one: training says so; fp16 cannot be the precision then
+        device = torch.device("cpu")
     if resolve_precision(cfg.precision, device) == "fp16":
         raise ConfigError(
             "pack=true with precision=fp16: one GradScaler would skip every member's step when one member "
@@ -321,7 +323,7 @@ class PackLoop:
 
     def run(self, next_batches) -> None:
         """Train every member from step 0 to max_steps (or until it diverges), emitting its records."""
-        base, clock_state = self.base, SimpleNamespace(watched=False, tokens=0, step=0)
+        base, clock_state = self.base, SimpleNamespace(watched=False, tokens=0, step=self.start_step)
         self.pack.template.train()
         if self.bar is not None:
             self.bar.on_train_start(clock_state)

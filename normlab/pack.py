@@ -44,7 +44,7 @@ from .flops import model_flops_per_token, peak_flops
 from .model import GPT
 from .pack_checkpoint import OptimizerLayout, Saved, guard_state, member_checkpoint_state, restore_member
 from .pack_telemetry import PackedProbe
-from .packing import PackedAdamW, PackedModel, clip_members, member_view
+from .packing import PackedAdamW, PackedModel, clip_members
 from .preempt import Preempted
 from .sinks import RunDir, Sink, SinkContext, open_sinks
 from .train import (
@@ -92,8 +92,10 @@ def check_pack(cfgs: Sequence[RunConfig]) -> None:
         raise ConfigError("pack=true with compile=true: a pack trains eager; set compile=false, or pack=false to compile each run")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or distributed.is_active():
         raise ConfigError("pack=true under torchrun: a pack trains in one process; run it without torchrun, or pack=false for DDP")
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if cfg.device == "auto" else cfg.device)
+    try:
+        device = resolve_device(cfg.device)
+    except RuntimeError:  # device=cuda without one: training says so; fp16 cannot be the precision then
+        device = torch.device("cpu")
     if resolve_precision(cfg.precision, device) == "fp16":
         raise ConfigError(
             "pack=true with precision=fp16: one GradScaler would skip every member's step when one member "
@@ -321,7 +323,7 @@ class PackLoop:
 
     def run(self, next_batches) -> None:
         """Train every member from step 0 to max_steps (or until it diverges), emitting its records."""
-        base, clock_state = self.base, SimpleNamespace(watched=False, tokens=0, step=0)
+        base, clock_state = self.base, SimpleNamespace(watched=False, tokens=0, step=self.start_step)
         self.pack.template.train()
         if self.bar is not None:
             self.bar.on_train_start(clock_state)
@@ -369,7 +371,6 @@ class PackLoop:
         """One optimizer step of every member, measured by the probe when `watched`; returns their losses and
         gradient norms (M,), on the device."""
         base, pack = self.base, self.pack
-        active = torch.tensor([m.active for m in self.members], device=self.device)
         lrs = [lr_at(step, c) if m.active else 0.0 for c, m in zip(self.cfgs, self.members)]
         x, y = next_batches()
         total = torch.zeros(pack.size, device=self.device)
@@ -383,9 +384,12 @@ class PackLoop:
         self._observe(step, loss)
         if watched:
             self.probe.measure_gradients()
-        for p in pack.params.values():
-            if p.grad is not None:  # a frozen member's gradient (NaN, perhaps) is dropped
-                p.grad.copy_(torch.where(member_view(active, p.grad), p.grad, torch.zeros((), device=self.device)))
+        frozen = [i for i, m in enumerate(self.members) if not m.active]
+        if frozen:  # a frozen member's gradient (NaN, perhaps) is dropped
+            frozen_index = torch.tensor(frozen, device=self.device)
+            for p in pack.params.values():
+                if p.grad is not None:
+                    p.grad.index_fill_(0, frozen_index, 0.0)
         max_norm = base.optim.grad_clip if base.optim.grad_clip > 0 else math.inf
         grad_norm = clip_members(list(pack.params.values()), max_norm)
         pack.advance_running_statistics()

@@ -110,3 +110,29 @@ def test_a_sweeps_jobs_give_their_gpu_memory_back(tmp_path):
         assert torch.cuda.memory_allocated() - baseline < 2**20, f"job {seed} left memory allocated"
         peaks.append(summary["peak_memory_gib"])
     assert max(peaks) <= 1.05 * min(peaks)  # every job's peak is its own, not the sweep's so far
+
+
+def test_a_pack_on_the_gpu_equals_its_unpacked_runs(tmp_path, exact_fp32):
+    from normlab.pack import train_pack
+
+    cfgs = [cuda_config(precision="fp32", tf32=False, lr=lr, seed=seed) for lr in (1e-3, 1e-2) for seed in (0, 1)]
+    for i, cfg in enumerate(cfgs):
+        train(cfg, tmp_path / f"run{i}")
+    summaries = train_pack([(cfg, tmp_path / f"member{i}") for i, cfg in enumerate(cfgs)])
+    assert {s["device"] for s in summaries} == {"cuda"}
+    for i in range(len(cfgs)):
+        alone, member = rows(tmp_path / f"run{i}"), rows(tmp_path / f"member{i}")
+        assert alone.keys() == member.keys()
+        for step, row in alone.items():
+            for key in ("loss", "grad_norm", "val_loss", "act/resid_rms/L01", "grad/resid_rms/L01"):
+                if key in row:
+                    assert member[step][key] == pytest.approx(row[key], rel=1e-4), (i, step, key)
+
+
+def test_a_bf16_pack_trains_on_the_gpu(tmp_path):
+    from normlab.pack import train_pack
+
+    cfgs = [cuda_config(precision="bf16", lr=lr) for lr in (1e-3, 3e-3, 1e-2)]
+    summaries = train_pack([(cfg, tmp_path / f"member{i}") for i, cfg in enumerate(cfgs)])
+    assert [s["status"] for s in summaries] == ["completed"] * 3 and summaries[0]["precision"] == "bf16"
+    assert summaries[0]["pack_size"] == 3 and summaries[0]["pack_tokens_per_s"] > summaries[0]["tokens_per_s"]

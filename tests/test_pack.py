@@ -270,3 +270,16 @@ def test_a_members_checkpoint_resumes_unpacked(tmp_path, one_thread):
     assert summary["resumed_from_step"] == 3
     worst, where = worst_difference(rows(tmp_path / "alone"), rows(tmp_path / "continued"))
     assert worst < 1, where
+
+
+def test_each_member_has_its_own_wandb_run(tmp_path):
+    cfgs = grid("layer", "pre", lrs=(1e-3, 3e-3), seeds=(0,))
+    for cfg in cfgs:
+        cfg.sinks, cfg.max_steps = ["jsonl", "wandb"], 2
+        cfg.wandb.mode = "offline"
+    train_pack([(cfg, tmp_path / f"member{i}") for i, cfg in enumerate(cfgs)])
+    runs = [list((tmp_path / f"member{i}" / "wandb").glob("offline-run-*")) for i in range(2)]
+    assert [len(r) for r in runs] == [1, 1]
+    assert runs[0][0].name.split("-")[-1] != runs[1][0].name.split("-")[-1]  # two run ids
+    checkpoints = [torch.load(next((tmp_path / f"member{i}" / "checkpoints").glob("*.pt")), weights_only=True) for i in range(2)]
+    assert [c["wandb_run_id"] for c in checkpoints] == [r[0].name.split("-")[-1] for r in runs]  # a resume continues each

@@ -149,3 +149,14 @@ def test_xiong2020_fig3_tables_the_step0_ffn_gradients_of_both_placements(tmp_pa
 def test_bench_gpu_says_in_one_line_that_there_is_no_gpu(tmp_path):
     out = script("bench_gpu.py", "--rounds", "1", cwd=tmp_path)
     assert out.splitlines() == ["bench_gpu: no CUDA device: nothing to measure"]
+
+
+def test_pack_bench_times_runs_and_both_batchings(tmp_path):
+    out = script("pack_bench.py", "--steps", "2", "--lrs", "1e-3", "--seeds", "0,1", "--rounds", "1",
+                 "--kernel-steps", "1", "--overrides", "batch_size=4", "seq_len=16", "eval_batches=1", cwd=tmp_path)
+    assert "2 runs of model=tiny" in out
+    sequential, per_run, packed, ratio = map(float, re.search(
+        rf"one after another {NUMBER} s \({NUMBER} s per run, measured\); packed {NUMBER} s; packed is {NUMBER}x", out).groups())
+    assert sequential == pytest.approx(2 * per_run, rel=0.01) and ratio == pytest.approx(sequential / packed, rel=0.05)
+    vmap_ms, grouped_ms = row(out, "kernels: vmap (normlab)", 1)[0], row(out, "kernels: grouped bmm", 1)[0]
+    assert vmap_ms > 0 and grouped_ms > 0

@@ -11,10 +11,11 @@ weights with batched matmuls).
    `normlab.pack.train_pack` pack. Both in this process with the same configs, corpus cache warm, wandb
    disabled: the figures are training and evaluation alone, without a sweep's per-job start-up, which a
    packed sweep also saves. Printed: seconds per run, the pack's seconds, and the ratio.
-2. `kernels`: one training step (forward, backward) of the pack's model, batched by vmap over
+2. `kernels`: one training step (forward, backward) of all members, batched by vmap over
    functional_call (normlab's way) and by a hand-written grouped GPT (pre-LN LayerNorm, batched
-   matmuls: torch.baddbmm/bmm, members folded into attention's batch), same shapes, interleaved rounds,
-   median ms per step. This is the "measure both, and pick" of issue 14.
+   matmuls: torch.baddbmm/bmm, members folded into attention's batch), and unbatched (each member's
+   GPT in turn), same shapes, interleaved rounds, median ms per step. The "measure both, and pick" of
+   issue 14.
 """
 
 from __future__ import annotations
@@ -129,9 +130,20 @@ def time_kernels(cfgs, rounds: int, steps: int, device: torch.device, precision:
             loss = grouped.loss(idx, idx)
         loss.backward()
 
-    times: dict[str, list[float]] = {"vmap (normlab)": [], "grouped bmm": []}
+    from normlab.model import GPT
+
+    singles = [GPT(cfg).to(device) for cfg in cfgs]
+
+    def sequential_step():
+        for i, model in enumerate(singles):
+            with autocast(device, precision):
+                loss = loss_fn(model(idx[i]), idx[i])
+            loss.backward()
+
+    variants = (("one after another", sequential_step), ("vmap (normlab)", vmap_step), ("grouped bmm", grouped_step))
+    times: dict[str, list[float]] = {name: [] for name, _ in variants}
     for _ in range(rounds):
-        for name, step in (("vmap (normlab)", vmap_step), ("grouped bmm", grouped_step)):
+        for name, step in variants:
             step()  # warm-up of this round
             sync()
             started = time.perf_counter()
@@ -177,9 +189,10 @@ def main() -> int:
           f"packed {packed:.2f} s; packed is {sequential_total / packed:.2f}x faster")
     kernels = time_kernels(cfgs, args.rounds, args.kernel_steps, device, precision)
     for name, ms in kernels.items():
-        print(f"kernels: {name:15s} {ms:8.1f} ms per forward+backward of all {len(cfgs)} members")
+        print(f"kernels: {name:17s} {ms:8.1f} ms per forward+backward of all {len(cfgs)} members")
     ratio = kernels["grouped bmm"] / kernels["vmap (normlab)"]
-    print(f"kernels: grouped bmm takes {ratio:.2f}x the time of vmap")
+    print(f"kernels: grouped bmm takes {ratio:.2f}x the time of vmap; one after another "
+          f"{kernels['one after another'] / kernels['vmap (normlab)']:.2f}x")
     return 0
 
 

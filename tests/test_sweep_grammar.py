@@ -1,10 +1,12 @@
 """Hydra's sweep grammar through the real `normlab train -m`: glob, range, Optuna's interval, presets
-without '+', and a bad value inside a sweep refused before any job trains."""
+without '+', and a bad value inside a sweep refused before any job trains (through normlab.cli.main in this
+process, what `python -m normlab` calls: a refusal needs no process of its own)."""
 
 import json
 
 import pytest
 
+from normlab.cli import main
 from test_cli import TINY, normlab, run_dirs
 
 
@@ -49,11 +51,11 @@ def test_experiment_preset_without_plus(tmp_path):
     assert _runs(tmp_path / "outputs") == ["layer-pre-d2-lr1e-3-s0", "rms-pre-d2-lr1e-3-s0"]
 
 
-def test_experiment_preset_with_plus_is_the_same_preset(tmp_path):
+def test_experiment_preset_with_plus_is_the_same_preset(tmp_path, monkeypatch, capsys):
     _preset(tmp_path, "      placement: pre,middle\n")
-    result = normlab("train", "-m", "--config-dir", "conf", "+experiment=pair", *TINY, cwd=tmp_path)
-    assert result.returncode == 2
-    [line] = result.stderr.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "-m", "--config-dir", "conf", "+experiment=pair", *TINY]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("normlab: error: placement='middle' is not allowed")
     assert not (tmp_path / "outputs").exists()
 
@@ -67,10 +69,10 @@ def test_experiment_preset_with_plus_is_the_same_preset(tmp_path):
         (["lr=interval(1e-4,1e-1)"], "lr=interval(1e-4,1e-1): BasicSweeper does not support sweep type"),
     ],
 )
-def test_a_bad_job_in_a_sweep_stops_it_before_any_job_trains(tmp_path, sweep, message):
+def test_a_bad_job_in_a_sweep_stops_it_before_any_job_trains(tmp_path, monkeypatch, capsys, sweep, message):
     tiny = [o for o in TINY if not o.startswith("seq_len=")]
-    result = normlab("train", "-m", *tiny, *sweep, cwd=tmp_path)
-    assert result.returncode == 2
-    [line] = result.stderr.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "-m", *tiny, *sweep]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("normlab: error: ") and message in line
     assert not (tmp_path / "outputs").exists()

@@ -448,13 +448,11 @@ def real_sweep(tmp_path_factory):
     return cwd, sweep, env
 
 
-def test_compare_on_a_real_sweep_reports_the_summary_numbers(real_sweep):
-    cwd, sweep, env = real_sweep
-    done = subprocess.run(
-        [*normlab_command(), "compare", str(sweep.relative_to(cwd))], cwd=cwd, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    out = Path(done.stdout.strip())
+def test_compare_on_a_real_sweep_reports_the_summary_numbers(real_sweep, monkeypatch, capsys):
+    cwd, sweep, _ = real_sweep
+    monkeypatch.chdir(cwd)
+    assert cli.main(["compare", str(sweep.relative_to(cwd))]) == 0  # in this process: test_cli_prints_the_report_dir is its CLI
+    out = Path(capsys.readouterr().out.strip())
     assert out.resolve() == (sweep / "report").resolve()
     for name in ALL_PLOTS[:3]:
         png = (out / name).read_bytes()

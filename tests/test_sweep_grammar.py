@@ -10,6 +10,10 @@ from normlab.cli import main
 from test_cli import TINY, normlab, run_dirs
 
 
+# What these sweeps check is Hydra's grammar, not wandb: a wandb run costs each job about two seconds.
+SWEEP = [*TINY, "wandb.mode=disabled"]
+
+
 def _runs(root):
     return sorted(json.loads((d / "summary.json").read_text())["name"] for d in run_dirs(root))
 
@@ -17,7 +21,7 @@ def _runs(root):
 def test_glob_with_exclude_and_range_sweep(tmp_path):
     result = normlab(
         "train", "-m", "norm=glob(*,exclude=[batch*,none,layer*,l2,dyt,scale,rms_noweight])", "seed=range(1,3)",
-        *TINY, cwd=tmp_path,
+        *SWEEP, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert _runs(tmp_path / "outputs") == ["rms-pre-d2-lr3e-3-s1", "rms-pre-d2-lr3e-3-s2"]
@@ -27,7 +31,7 @@ def test_optuna_interval_sweep_with_two_trials(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     result = normlab(
         "train", "-m", "hydra/sweeper=lr_search", "lr=tag(log,interval(1e-4,1e-1))", "hydra.sweeper.n_trials=2",
-        *TINY, cwd=tmp_path,
+        *SWEEP, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs(tmp_path / "outputs")]
@@ -46,7 +50,7 @@ def _preset(tmp_path, sweep: str) -> None:
 
 def test_experiment_preset_without_plus(tmp_path):
     _preset(tmp_path, "      norm: layer,rms\n")
-    result = normlab("train", "-m", "--config-dir", "conf", "experiment=pair", *TINY, cwd=tmp_path)
+    result = normlab("train", "-m", "--config-dir", "conf", "experiment=pair", *SWEEP, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert _runs(tmp_path / "outputs") == ["layer-pre-d2-lr1e-3-s0", "rms-pre-d2-lr1e-3-s0"]
 

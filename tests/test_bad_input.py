@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 import torch
 
 from normlab.cli import main

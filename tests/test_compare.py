@@ -451,7 +451,8 @@ def real_sweep(tmp_path_factory):
 def test_compare_on_a_real_sweep_reports_the_summary_numbers(real_sweep, monkeypatch, capsys):
     cwd, sweep, _ = real_sweep
     monkeypatch.chdir(cwd)
-    assert cli.main(["compare", str(sweep.relative_to(cwd))]) == 0  # in this process: test_cli_prints_the_report_dir is its CLI
+    # In this process: the command line is test_cli_prints_the_report_dir's, the real runs are the point here.
+    assert cli.main(["compare", str(sweep.relative_to(cwd))]) == 0
     out = Path(capsys.readouterr().out.strip())
     assert out.resolve() == (sweep / "report").resolve()
     for name in ALL_PLOTS[:3]:

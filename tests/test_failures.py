@@ -24,8 +24,8 @@ import torch
 from conftest import tiny_config
 from normlab import preempt
 from normlab.callbacks import Callback
-from normlab.cli import main
 from normlab.checkpoint import Checkpoint, CheckpointError, checkpoint_path, list_checkpoints
+from normlab.cli import main
 from normlab.sinks import MetricsFile, RunDir, RunDirBusy, Sink
 from normlab.train import train
 

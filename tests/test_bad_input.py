@@ -1,5 +1,9 @@
 """Bad input to the real `normlab train` command: one `normlab: error:` line naming what is wrong and
-what is allowed, exit code 2, no traceback, nothing trained (issue 17, section 4)."""
+what is allowed, exit code 2, no traceback, nothing trained (issue 17, section 4).
+
+The cases go through `normlab.cli.main`, the function `python -m normlab` calls, in this process: a
+subprocess per case cost seconds of start-up each. test_the_real_command_gives_the_same_one_line runs a
+few of them as the real command, exit status and all."""
 
 import importlib.util
 import os
@@ -8,7 +12,9 @@ import sys
 import time
 
 import pytest
+import torch
 
+from normlab.cli import main
 from normlab.config import ConfigError, RunConfig, suggest_key, unknown_key_message
 from normlab.machine import check_output_dir, estimate_memory
 
@@ -27,6 +33,17 @@ def normlab(*args, cwd):
     return subprocess.run(
         [sys.executable, "-m", "normlab", *args], cwd=cwd, capture_output=True, text=True, env=dict(os.environ), timeout=300
     )
+
+
+def normlab_here(*args, capsys) -> subprocess.CompletedProcess:
+    """`normlab ARGS` through normlab.cli.main in this process (the cwd is the caller's), as a CompletedProcess."""
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exit:  # argparse's refusals exit on their own
+        code = exit.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["normlab", *args], code, out, err)
 
 
 def assert_one_line(result, *fragments):
@@ -98,17 +115,29 @@ def trained(cwd) -> list:
         (["-m", "hydra.sweep.dir=a_file", "lr=1e-3,3e-3"], ["hydra.sweep.dir=a_file", "not a directory"]),
     ],
 )
-def test_bad_input_gives_one_line_and_trains_nothing(tmp_path, overrides, fragments):
+def test_bad_input_gives_one_line_and_trains_nothing(tmp_path, monkeypatch, capsys, overrides, fragments):
     (tmp_path / "a_file").write_text("not a dir")
-    result = normlab("train", *overrides, *TINY, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = normlab_here("train", *overrides, *TINY, capsys=capsys)
     assert_one_line(result, *fragments)
     assert not trained(tmp_path)
 
 
-@pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import torch; assert not torch.cuda.is_available()"]).returncode != 0,
-    reason="this machine has CUDA",
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (["nrom=rms"], ["did you mean norm=rms?"]),  # refused before Hydra starts
+        (["lr=1e-3", "-m", "norm=rms,layer"], ["put -m and other options before the overrides"]),  # by argparse
+        (["hydra.run.dir=a_file/run"], ["a_file is a file, not a directory"]),  # by the run dir's check
+    ],
 )
+def test_the_real_command_gives_the_same_one_line(tmp_path, overrides, fragments):
+    (tmp_path / "a_file").write_text("not a dir")
+    assert_one_line(normlab("train", *overrides, *TINY, cwd=tmp_path), *fragments)
+    assert not trained(tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_cuda_is_one_line(tmp_path):
     assert_one_line(normlab("train", "device=cuda", *TINY, cwd=tmp_path), "device=cuda", "no CUDA device", "device=cpu")
 

@@ -25,6 +25,7 @@ from conftest import tiny_config
 from normlab import preempt
 from normlab.callbacks import Callback
 from normlab.checkpoint import Checkpoint, CheckpointError, checkpoint_path, list_checkpoints
+from normlab.cli import main
 from normlab.sinks import MetricsFile, RunDir, RunDirBusy, Sink
 from normlab.train import train
 
@@ -36,6 +37,16 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def normlab(*args, cwd, timeout=300):
     return subprocess.run([sys.executable, "-m", "normlab", *args], cwd=cwd, env=ENV, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def normlab_here(*args, cwd, monkeypatch, capsys):
+    """`normlab ARGS` in `cwd` through normlab.cli.main in this process (what `python -m normlab` calls),
+    for refusals that come before any training: a subprocess costs seconds of start-up."""
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["normlab", *args], code, out, err)
 
 
 def start(*args, cwd):
@@ -94,11 +105,11 @@ def _drop(path, *keys):
 
 @pytest.mark.parametrize("piece", [("state", "scaler"), ("state", "best_val"), ("callbacks", "throughput"),
                                    ("rng", "numpy"), ("state", "data_sampler")])
-def test_a_resume_from_a_checkpoint_lacking_a_piece_changes_nothing(run_copy, piece):
+def test_a_resume_from_a_checkpoint_lacking_a_piece_changes_nothing(run_copy, piece, monkeypatch, capsys):
     five = checkpoint_path(run_copy, 5)
     _drop(five, *piece)
     before = snapshot(run_copy)
-    result = normlab("train", *RUN, f"resume={five}", cwd=run_copy.parent)
+    result = normlab_here("train", *RUN, f"resume={five}", cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
     assert result.returncode == 2
     one_error_line(result.stderr, str(five), piece[-1])
     assert snapshot(run_copy) == before  # step-000010.pt, metrics.jsonl, summary.json, .hydra/config.yaml
@@ -142,10 +153,12 @@ def killed_before_a_checkpoint(run_copy):
 
 
 @pytest.mark.parametrize("resume", ["auto", "null"])
-def test_another_configs_records_are_refused_by_auto_and_null_alike(killed_before_a_checkpoint, resume):
+def test_another_configs_records_are_refused_by_auto_and_null_alike(killed_before_a_checkpoint, resume, monkeypatch,
+                                                                    capsys):
     run_dir = killed_before_a_checkpoint
     before = snapshot(run_dir)
-    result = normlab("train", *RUN, "lr=1e-2", f"resume={resume}", f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
+    result = normlab_here("train", *RUN, "lr=1e-2", f"resume={resume}", f"hydra.run.dir={run_dir}", cwd=run_dir.parent,
+                          monkeypatch=monkeypatch, capsys=capsys)
     assert result.returncode == 2
     one_error_line(result.stderr, str(run_dir), "overwrite=true")
     assert snapshot(run_dir) == before
@@ -171,15 +184,18 @@ def test_the_same_configs_killed_run_restarts(killed_before_a_checkpoint):
 HOLD = "import sys, time; from normlab.sinks import RunDir\nwith RunDir(sys.argv[1]).lock():\n    print('held', flush=True); time.sleep(600)"
 
 
-def test_a_second_run_in_a_locked_run_dir_gets_one_line_and_changes_nothing(run_copy):
+def test_a_second_run_in_a_locked_run_dir_gets_one_line_and_changes_nothing(run_copy, monkeypatch, capsys):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_copy)], env=ENV, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         before = snapshot(run_copy)
-        for resume in ("auto", "null"):
-            result = normlab("train", *RUN, f"resume={resume}", f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
-            assert result.returncode == 2
-            one_error_line(result.stderr, str(run_copy), "in use")
+        result = normlab("train", *RUN, "resume=auto", f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
+        assert result.returncode == 2
+        one_error_line(result.stderr, str(run_copy), "in use")
+        result = normlab_here("train", *RUN, "resume=null", f"hydra.run.dir={run_copy}", cwd=run_copy.parent,
+                              monkeypatch=monkeypatch, capsys=capsys)
+        assert result.returncode == 2
+        one_error_line(result.stderr, str(run_copy), "in use")
         assert snapshot(run_copy) == before
         with pytest.raises(RunDirBusy):
             train(_tiny_cli_config(), run_copy)  # train() itself, without the Hydra layer

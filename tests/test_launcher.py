@@ -66,7 +66,8 @@ def _losses(root):
 
 def test_two_jobs_at_once_on_the_cpu_equal_the_sequential_sweep(tmp_path):
     sweep = ["train", "-m", "norm=layer,rms", *TINY, "max_steps=3", "log_every=1"]
-    sequential = normlab(*sweep, "hydra.sweep.dir=seq", cwd=tmp_path)
+    # The reference needs no wandb run (about two seconds a job); the concurrent jobs keep theirs.
+    sequential = normlab(*sweep, "hydra.sweep.dir=seq", "wandb.mode=disabled", cwd=tmp_path)
     assert sequential.returncode == 0, sequential.stderr[-3000:]
     concurrent = normlab(*sweep, "hydra.sweep.dir=conc", "hydra.launcher.cpu_jobs=2", cwd=tmp_path)
     assert concurrent.returncode == 0, concurrent.stderr[-3000:]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from normlab.checkpoint import list_checkpoints
+from normlab import slurm
 from normlab.slurm import refusal_message, refusal_reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,7 +191,9 @@ def test_one_job_of_two_tasks_trains_with_ddp_like_torchrun(cluster, tmp_path):
     assert len(list((tmp_path / "slurm" / ".submitit").rglob("*_1_log.out"))) == 1  # task 1's log: two tasks ran
 
 
-def test_sbatch_refusals_name_the_launcher_key_to_change():
+def test_sbatch_refusals_name_the_launcher_key_to_change(monkeypatch):
+    # As where sinfo does not answer: an installed sinfo without a controller takes 10 s a call to time out.
+    monkeypatch.setattr(slurm, "_sinfo", lambda fields: [])
     gres = "sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification\n"
     assert refusal_reason(gres) == "Invalid generic resource (gres) specification"
     assert refusal_reason("Submitted batch job 12\n") is None

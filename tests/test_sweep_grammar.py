@@ -1,11 +1,17 @@
 """Hydra's sweep grammar through the real `normlab train -m`: glob, range, Optuna's interval, presets
-without '+', and a bad value inside a sweep refused before any job trains."""
+without '+', and a bad value inside a sweep refused before any job trains (through normlab.cli.main in this
+process, what `python -m normlab` calls: a refusal needs no process of its own)."""
 
 import json
 
 import pytest
 
+from normlab.cli import main
 from test_cli import TINY, normlab, run_dirs
+
+
+# What these sweeps check is Hydra's grammar, not wandb: a wandb run costs each job about two seconds.
+SWEEP = [*TINY, "wandb.mode=disabled"]
 
 
 def _runs(root):
@@ -15,7 +21,7 @@ def _runs(root):
 def test_glob_with_exclude_and_range_sweep(tmp_path):
     result = normlab(
         "train", "-m", "norm=glob(*,exclude=[batch*,none,layer*,l2,dyt,scale,rms_noweight])", "seed=range(1,3)",
-        *TINY, cwd=tmp_path,
+        *SWEEP, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert _runs(tmp_path / "outputs") == ["rms-pre-d2-lr3e-3-s1", "rms-pre-d2-lr3e-3-s2"]
@@ -25,7 +31,7 @@ def test_optuna_interval_sweep_with_two_trials(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     result = normlab(
         "train", "-m", "hydra/sweeper=lr_search", "lr=tag(log,interval(1e-4,1e-1))", "hydra.sweeper.n_trials=2",
-        *TINY, cwd=tmp_path,
+        *SWEEP, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs(tmp_path / "outputs")]
@@ -44,16 +50,16 @@ def _preset(tmp_path, sweep: str) -> None:
 
 def test_experiment_preset_without_plus(tmp_path):
     _preset(tmp_path, "      norm: layer,rms\n")
-    result = normlab("train", "-m", "--config-dir", "conf", "experiment=pair", *TINY, cwd=tmp_path)
+    result = normlab("train", "-m", "--config-dir", "conf", "experiment=pair", *SWEEP, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert _runs(tmp_path / "outputs") == ["layer-pre-d2-lr1e-3-s0", "rms-pre-d2-lr1e-3-s0"]
 
 
-def test_experiment_preset_with_plus_is_the_same_preset(tmp_path):
+def test_experiment_preset_with_plus_is_the_same_preset(tmp_path, monkeypatch, capsys):
     _preset(tmp_path, "      placement: pre,middle\n")
-    result = normlab("train", "-m", "--config-dir", "conf", "+experiment=pair", *TINY, cwd=tmp_path)
-    assert result.returncode == 2
-    [line] = result.stderr.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "-m", "--config-dir", "conf", "+experiment=pair", *TINY]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("normlab: error: placement='middle' is not allowed")
     assert not (tmp_path / "outputs").exists()
 
@@ -67,10 +73,10 @@ def test_experiment_preset_with_plus_is_the_same_preset(tmp_path):
         (["lr=interval(1e-4,1e-1)"], "lr=interval(1e-4,1e-1): BasicSweeper does not support sweep type"),
     ],
 )
-def test_a_bad_job_in_a_sweep_stops_it_before_any_job_trains(tmp_path, sweep, message):
+def test_a_bad_job_in_a_sweep_stops_it_before_any_job_trains(tmp_path, monkeypatch, capsys, sweep, message):
     tiny = [o for o in TINY if not o.startswith("seq_len=")]
-    result = normlab("train", "-m", *tiny, *sweep, cwd=tmp_path)
-    assert result.returncode == 2
-    [line] = result.stderr.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "-m", *tiny, *sweep]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("normlab: error: ") and message in line
     assert not (tmp_path / "outputs").exists()

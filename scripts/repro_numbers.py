@@ -1,7 +1,8 @@
 """The numbers of a CPU-size reproduction, read from its run dirs (normlab.analysis, as `normlab compare`).
 
 lr      per arm (norm × placement × QK-norm ...), the final validation loss at each peak lr, ℓ₀, ℓ*, the best lr
-        and Wortsman et al. 2023's LR sensitivity; then the largest attention logit (max over layers of
+        and Wortsman et al. 2023's LR sensitivity (and, where the arms ran different lrs, the sensitivity over
+        the lrs every arm ran, so that the arms can be compared); then the largest attention logit (max over layers of
         attn/logit_max at the last telemetry step) at each lr, and DyT's final α per slot kind where there is one;
         with --figure, a PNG of the final validation loss against lr, one line per arm.
 curves  per run, the validation loss at each evaluation and the final one; with --figure, a PNG of the
@@ -18,9 +19,10 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import textwrap
 from pathlib import Path
 
-from normlab.analysis import Arm, ArmResult, Comparison, Run, build_comparison, find_run_dirs
+from normlab.analysis import Arm, ArmResult, Comparison, Run, build_comparison, find_run_dirs, lr_sensitivity
 from normlab.config import NORM_TRAITS, format_lr
 
 LOGIT_MAX = re.compile(r"^attn/logit_max/L\d+$")
@@ -70,13 +72,18 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
 def lr_report(comparison: Comparison) -> None:
     """Print the loss-by-lr table with the LR sensitivity, the logit table, and DyT's α if any arm has one."""
     lrs = sorted({p.lr for arm in comparison.arms for p in arm.points})
+    common = sorted(set.intersection(*({p.lr for p in arm.points if p.counted} for arm in comparison.arms)))
     header = ["arm", *(format_lr(lr) for lr in lrs), "ℓ₀", "ℓ*", "best lr", "LR sensitivity"]
+    if common != lrs:
+        header.append(f"LR sensitivity over {', '.join(map(format_lr, common))}")
     rows = []
     for arm in comparison.arms:
-        loss = {p.lr: p.loss for p in arm.points}
+        loss = {p.lr: p.loss for p in arm.points if p.counted}
         rows.append([arm_label(arm.arm), *(cell(loss.get(lr, math.nan)) for lr in lrs), cell(arm.init_loss),
                      cell(arm.best_loss), format_lr(arm.best_lr) if math.isfinite(arm.best_lr) else "—",
                      f"{arm.sensitivity:.3f}"])  # fmt: skip
+        if common != lrs:
+            rows[-1].append(f"{lr_sensitivity({lr: loss[lr] for lr in common}, arm.init_loss):.3f}")
     print_table("final validation loss (nats per byte; mean over seeds) by peak lr", header, rows)
     logits = [[arm_label(arm.arm), *(f"{point_mean(arm, lr, logit_max):.3g}" for lr in lrs)] for arm in comparison.arms]
     print_table("largest attention logit at the last telemetry step (max over layers)", ["arm", *header[1:len(lrs) + 1]], logits)
@@ -121,7 +128,7 @@ def pyplot():
 
 
 def save(fig, figure: Path, title: str) -> None:
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 100), fontsize=10)
     fig.set_layout_engine("constrained")
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=110)

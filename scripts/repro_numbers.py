@@ -5,8 +5,9 @@ lr      per arm (norm × placement × QK-norm ...), the final validation loss at
         the lrs every arm ran, so that the arms can be compared); then the largest attention logit (max over layers of
         attn/logit_max at the last telemetry step) at each lr, and DyT's final α per slot kind where there is one;
         with --figure, a PNG of the final validation loss against lr, one line per arm.
-curves  per run, the validation loss at each evaluation and the final one; with --figure, a PNG of the
-        training loss (and the validation loss) against step, one line per run.
+curves  per run, the validation loss at each evaluation, and the gradient norm of the first block's MLP over
+        the last block's (grad/norm/LXX/mlp) at each telemetry step; with --figure, a PNG of the training
+        loss (and the validation loss) against step, one line per run.
 
 Arms are labelled as `normlab compare` labels them, less the norm knobs a norm does not read (compare
 splits LayerNorm from DyT by DyT's α too, and shows LayerNorm's unread α).
@@ -26,6 +27,7 @@ from normlab.analysis import Arm, ArmResult, Comparison, Run, build_comparison, 
 from normlab.config import NORM_TRAITS, format_lr
 
 LOGIT_MAX = re.compile(r"^attn/logit_max/L\d+$")
+MLP_GRAD = re.compile(r"^grad/norm/L(\d+)/mlp$")
 # DyT's α per slot: norm1 is the attention's input norm, norm2 the MLP's, norm_f the final one.
 ALPHA_SLOTS = {"attention": re.compile(r"^norm/alpha/L\d+/norm1$"), "MLP": re.compile(r"^norm/alpha/L\d+/norm2$"),
                "final": re.compile(r"^norm/alpha/norm_f$")}  # fmt: skip
@@ -114,6 +116,10 @@ def curves_report(comparison: Comparison, figure: Path | None, title: str) -> No
         by_step = dict(zip(*run.curve(run.measure)))
         rows.append([run_label(comparison, run), *(cell(by_step.get(s, math.nan)) for s in steps), run.status])
     print_table("validation loss (nats per byte) by step", ["run", *map(str, steps), "status"], rows)
+    ratios = {run_label(comparison, run): first_over_last_mlp_grad(run) for run in comparison.runs}
+    steps = sorted({s for by_step in ratios.values() for s in by_step})
+    rows = [[label, *(f"{by_step[s]:.2g}" if s in by_step else "—" for s in steps)] for label, by_step in ratios.items()]
+    print_table("first block's MLP gradient norm / last block's, by telemetry step", ["run", *map(str, steps)], rows)
     if figure is not None:
         draw_curves(comparison, figure, title)
 
@@ -152,6 +158,16 @@ def draw_loss_vs_lr(comparison: Comparison, figure: Path, title: str) -> None:
     ax.grid(alpha=0.3, which="both")
     fig.legend(loc="outside right upper", fontsize=8, title="x: diverged (drawn at ℓ₀)", title_fontsize=8)
     save(fig, figure, title)
+
+
+def first_over_last_mlp_grad(run: Run) -> dict[int, float]:
+    """{step: grad/norm/L00/mlp / grad/norm/L<last>/mlp} at every telemetry step of the run."""
+    ratios = {}
+    for row in run.rows:
+        by_layer = {int(m.group(1)): float(v) for k, v in row.items() if (m := MLP_GRAD.match(k))}
+        if by_layer and by_layer[max(by_layer)] > 0:
+            ratios[row["step"]] = by_layer[min(by_layer)] / by_layer[max(by_layer)]
+    return ratios
 
 
 def draw_curves(comparison: Comparison, figure: Path, title: str) -> None:

@@ -134,7 +134,7 @@ def pyplot():
 
 
 def save(fig, figure: Path, title: str) -> None:
-    fig.suptitle(textwrap.fill(title, 100), fontsize=10)
+    fig.suptitle(textwrap.fill(title, 90), fontsize=10)
     fig.set_layout_engine("constrained")
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=110)
@@ -144,30 +144,25 @@ def save(fig, figure: Path, title: str) -> None:
 
 def draw_loss_vs_lr(comparison: Comparison, figure: Path, title: str) -> None:
     """Final validation loss against peak lr, a line per arm; a diverged or failed lr is an x at the arm's ℓ₀."""
-    fig, ax = pyplot().subplots(figsize=(8.5, 4.5))
+    from matplotlib.ticker import NullFormatter
+
+    fig, ax = pyplot().subplots(figsize=(8, 5))
     for arm in comparison.arms:
         points = [(p.lr, p.loss) for p in arm.points if p.counted]
         shown = [(lr, loss if math.isfinite(loss) else arm.init_loss) for lr, loss in points]
         (line,) = ax.plot(*zip(*shown), "o-", linewidth=1.4, markersize=4, label=arm_label(arm.arm))
         lost = [(lr, arm.init_loss) for lr, loss in points if math.isinf(loss)]
         if lost:
-            ax.plot(*zip(*lost), "x", color=line.get_color(), markersize=9, markeredgewidth=2)
+            ax.plot(*zip(*lost), "x", color=line.get_color(), markersize=9, markeredgewidth=2, label="diverged (at ℓ₀)")
+    lrs = sorted({p.lr for arm in comparison.arms for p in arm.points})
     ax.set_xscale("log")
+    ax.set_xticks(lrs, [format_lr(lr) for lr in lrs])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("peak learning rate")
     ax.set_ylabel("final validation loss (nats per byte)")
     ax.grid(alpha=0.3, which="both")
-    fig.legend(loc="outside right upper", fontsize=8, title="x: diverged (drawn at ℓ₀)", title_fontsize=8)
+    ax.legend(fontsize=8, loc="best")
     save(fig, figure, title)
-
-
-def first_over_last_mlp_grad(run: Run) -> dict[int, float]:
-    """{step: grad/norm/L00/mlp / grad/norm/L<last>/mlp} at every telemetry step of the run."""
-    ratios = {}
-    for row in run.rows:
-        by_layer = {int(m.group(1)): float(v) for k, v in row.items() if (m := MLP_GRAD.match(k))}
-        if by_layer and by_layer[max(by_layer)] > 0:
-            ratios[row["step"]] = by_layer[min(by_layer)] / by_layer[max(by_layer)]
-    return ratios
 
 
 def draw_curves(comparison: Comparison, figure: Path, title: str) -> None:

@@ -165,6 +165,16 @@ def draw_loss_vs_lr(comparison: Comparison, figure: Path, title: str) -> None:
     save(fig, figure, title)
 
 
+def first_over_last_mlp_grad(run: Run) -> dict[int, float]:
+    """{step: grad/norm/L00/mlp / grad/norm/L<last>/mlp} at every telemetry step of the run."""
+    ratios = {}
+    for row in run.rows:
+        by_layer = {int(m.group(1)): float(v) for k, v in row.items() if (m := MLP_GRAD.match(k))}
+        if by_layer and by_layer[max(by_layer)] > 0:
+            ratios[row["step"]] = by_layer[min(by_layer)] / by_layer[max(by_layer)]
+    return ratios
+
+
 def draw_curves(comparison: Comparison, figure: Path, title: str) -> None:
     fig, (train_ax, val_ax) = pyplot().subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for run in comparison.runs:
@@ -179,7 +189,7 @@ def draw_curves(comparison: Comparison, figure: Path, title: str) -> None:
         ax.grid(alpha=0.3)
     train_ax.set_ylabel("loss (nats per byte)")
     train_ax.set_ylim(top=min(4.0, train_ax.get_ylim()[1]))
-    fig.legend(loc="outside right upper", fontsize=8)
+    val_ax.legend(*train_ax.get_legend_handles_labels(), fontsize=8, loc="upper right")
     save(fig, figure, title)
 
 

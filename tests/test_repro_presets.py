@@ -101,3 +101,39 @@ def test_zhu2025_is_dyt_with_its_stated_alpha_and_the_baselines_validate():
         tuple(str(getattr(jobs[0], k)) for k in shared)
     }  # the same grid and model as DyT's
     assert {(j.lr, j.seed) for j in baselines} == {(j.lr, j.seed) for j in jobs}
+
+
+# ---------------------------------------------------------------- the CPU sizes of the GPU presets (run here)
+
+@pytest.mark.parametrize("gpu, cpu, axes, fewer", [
+    ("wortsman2023", "wortsman2023_cpu", {"depth": "4", "seed": "0"}, ("lr=3e-4,3e-1", "seed=0")),
+    ("xiong2020_warmup", "xiong2020_warmup_cpu", {"optim.warmup_steps": "0,50,400", "lr": "0.001"}, ()),
+    ("zhu2025", "zhu2025_cpu", {"seed": "0"}, ()),
+    ("zhu2025_norms", "zhu2025_norms_cpu", {"seed": "0"}, ()),
+])  # fmt: skip
+def test_a_cpu_preset_is_its_gpu_preset_with_only_the_size_and_its_stated_axes_changed(gpu, cpu, axes, fewer):
+    gpu_params, gpu_jobs = _preset_jobs(gpu, *fewer)  # `fewer`: a corner of a large grid, to keep the test fast
+    cpu_params, cpu_jobs = _preset_jobs(cpu, *fewer)
+    assert cpu_params == {**gpu_params, **axes}
+    cpu_tokens = {j.max_steps * j.batch_size * j.seq_len * j.model.d_model * j.depth for j in cpu_jobs}
+    gpu_tokens = {j.max_steps * j.batch_size * j.seq_len * j.model.d_model * j.depth for j in gpu_jobs}
+    assert max(cpu_tokens) * 20 < min(gpu_tokens)  # well under the GPU size
+    # Everything but the size is the GPU preset's: init, embeddings, clipping, norm, α₀, placement.
+    same = lambda j: (j.init, j.model.embed_scale, j.optim.grad_clip, j.norm.name, j.norm.alpha_attn,  # noqa: E731
+                      j.norm.alpha_mlp, j.norm.alpha_final, j.placement, j.qk_norm)  # fmt: skip
+    assert {same(j) for j in cpu_jobs} <= {same(j) for j in gpu_jobs}
+    check_jobs([f"experiment={cpu}", *fewer], [], multirun=True)
+
+
+def test_cpu_presets_keep_the_gpu_presets_head_size_and_warmup_fraction():
+    _, wortsman = _preset_jobs("wortsman2023_cpu", "lr=1e-2")
+    assert {(j.model.d_model // j.model.n_head, j.optim.warmup_steps / j.max_steps) for j in wortsman} == {(32, 0.1)}
+    _, xiong = _preset_jobs("xiong2020_warmup_cpu")
+    # 50 and 400 of 800 steps: the GPU preset's 500 and 4,000 of 8,000, within a step.
+    assert sorted({j.optim.warmup_steps / j.max_steps for j in xiong}) == [0, 50 / 800, 0.5]
+    assert {(j.depth, j.init, j.model.embed_scale, j.optim.grad_clip, j.lr) for j in xiong} == {(12, "xavier", True, 0, 1e-3)}
+    _, zhu = _preset_jobs("zhu2025_cpu")
+    _, norms = _preset_jobs("zhu2025_norms_cpu")
+    assert {(j.norm.alpha_attn, j.norm.alpha_mlp, j.norm.alpha_final) for j in zhu} == {(0.8, 0.2, 0.2)}
+    grid = lambda jobs: {(j.lr, j.seed, j.max_steps, j.model.d_model, j.depth, j.init) for j in jobs}  # noqa: E731
+    assert grid(zhu) == grid(norms) and {j.lr for j in zhu} == {3e-4, 1e-3, 3e-3}

@@ -160,3 +160,54 @@ def test_pack_bench_times_runs_and_both_batchings(tmp_path):
     assert sequential == pytest.approx(2 * per_run, rel=0.01) and ratio == pytest.approx(sequential / packed, rel=0.05)
     vmap_ms, grouped_ms = row(out, "kernels: vmap (normlab)", 1)[0], row(out, "kernels: grouped bmm", 1)[0]
     assert vmap_ms > 0 and grouped_ms > 0
+
+
+# ------------------------------------------------ the CPU-size reproductions: each script end to end, at a tiny size
+
+# Hydra overrides for both sweeps of a *_cpu.sh script: a 2-block, 16-wide model for 2 steps (the presets'
+# sizes are set by the preset, so they are overridden key by key, not by model=tiny).
+TINY_REPRO = ["depth=2", "model.d_model=16", "model.n_head=2", "model.context=16", "seq_len=16", "batch_size=2",
+              "max_steps=2", "eval_batches=1", "device=cpu", "wandb.mode=disabled"]  # fmt: skip
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def shell_script(name: str, *args: str, cwd: Path) -> str:
+    """Run scripts/`name` with bash in `cwd`, with this Python's normlab first on PATH; assert exit 0, return stdout."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", str(SCRIPTS / name), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def test_wortsman2023_cpu_tables_every_arm_over_the_lrs_and_draws_the_figure_into_docs(tmp_path):
+    out = shell_script("wortsman2023_cpu.sh", *TINY_REPRO, "lr=1e-3,1e-1", cwd=tmp_path)
+    arms = [f"{arm} qk_norm={qk}" for arm, qk in (("layer-pre", False), ("layer-pre", True), ("layer-post", False),
+                                                  ("layer-post", True), ("rms-pre", False), ("dyt-pre", False))]  # fmt: skip
+    for arm in arms:
+        first, second, init, best, best_lr, sensitivity = row(out, arm, 6)
+        assert best == min(first, second) and best_lr in (1e-3, 1e-1)
+        assert sensitivity == pytest.approx((min(first, init) + min(second, init)) / 2 - best, abs=2e-3)
+        assert row(out[out.index("largest attention logit"):], arm, 2)[1] > 0
+    assert (tmp_path / "docs" / "wortsman2023_cpu_lr.png").read_bytes()[:8] == PNG
+
+
+def test_xiong2020_warmup_cpu_runs_post_ln_at_three_warmups_and_pre_ln_without(tmp_path):
+    out = shell_script("xiong2020_warmup_cpu.sh", *TINY_REPRO, cwd=tmp_path)
+    for run in ("layer-post optim.warmup_steps=0 lr=1e-3", "layer-post optim.warmup_steps=50 lr=1e-3",
+                "layer-post optim.warmup_steps=400 lr=1e-3", "layer-pre optim.warmup_steps=0 lr=1e-3"):  # fmt: skip
+        at_init, final = row(out, run, 2)  # validation at steps 0 and 2
+        assert 0 < final < at_init + 1
+    assert "layer-pre optim.warmup_steps=50" not in out
+    assert (tmp_path / "docs" / "xiong2020_warmup_cpu.png").read_bytes()[:8] == PNG
+
+
+def test_zhu2025_cpu_compares_dyt_at_its_alpha_with_layernorm_and_rmsnorm(tmp_path):
+    out = shell_script("zhu2025_cpu.sh", *TINY_REPRO, "lr=1e-3", cwd=tmp_path)
+    for arm in ("layer-pre", "rms-pre", "dyt-pre norm.alpha_attn=0.8 norm.alpha_final=0.2 norm.alpha_mlp=0.2"):
+        loss, init, best = row(out, arm, 3)
+        assert loss == best and 0 < loss < init + 1
+    alphas = out[out.index("α at the end"):]
+    assert row(alphas, "attention", 1)[0] == pytest.approx(0.8, abs=0.01)  # two steps at lr 1e-3 barely move α₀
+    assert row(alphas, "MLP", 1)[0] == pytest.approx(0.2, abs=0.01)
+    assert row(alphas, "final", 1)[0] == pytest.approx(0.2, abs=0.01)
+    assert (tmp_path / "docs" / "zhu2025_cpu_lr.png").read_bytes()[:8] == PNG

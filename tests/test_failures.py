@@ -50,8 +50,12 @@ def normlab_here(*args, cwd, monkeypatch, capsys):
 
 
 def start(*args, cwd):
+    """`normlab` running in the background. Its SIGINT is the default one, as a terminal's Ctrl-C finds it, even
+    when pytest itself runs as a background job (`cmd &` in a script), which starts with SIGINT ignored: normlab
+    leaves an ignored signal ignored, so the Ctrl-C test would then see a run that finishes."""
     return subprocess.Popen([sys.executable, "-m", "normlab", *args], cwd=cwd, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def snapshot(run_dir):

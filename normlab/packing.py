@@ -44,7 +44,7 @@ class PackedModel:
         params, buffers = stack_module_state(list(members))
         self.params: dict[str, torch.Tensor] = params
         self.buffers: dict[str, torch.Tensor] = buffers
-        self._step_statistics = [m for m in self.template.modules() if isinstance(m, StepStatistics)]
+        self._stepper = _AdvanceStatistics(self.template)  # built once: advance runs every step
 
     def _member_logits(self, params, buffers, idx: torch.Tensor) -> torch.Tensor:
         return functional_call(self.template, (params, buffers), (idx,))
@@ -79,17 +79,16 @@ class PackedModel:
 
     def advance_running_statistics(self) -> None:
         """One step of every BatchNorm's running statistics, per member (norms.StepStatistics)."""
-        if not self._step_statistics:
+        if not self._stepper.norms:
             return
-        stepper = _AdvanceStatistics(self.template)
 
         def advance(buffers):
-            return functional_call(stepper, {f"model.{k}": v for k, v in buffers.items()}, ())
+            return functional_call(self._stepper, {f"model.{k}": v for k, v in buffers.items()}, ())
 
         vmap(advance)(self.buffers)
 
     def set_per_step(self, per_step: bool) -> None:
-        for norm in self._step_statistics:
+        for norm in self._stepper.norms:
             norm.per_step = per_step
 
     def member_state_dict(self, m: int) -> dict[str, torch.Tensor]:

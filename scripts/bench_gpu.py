@@ -1,7 +1,7 @@
 """normlab's real training loop beside a hand-written reference loop on one CUDA GPU, in one process.
 
     python scripts/bench_gpu.py [--shapes medium,gpt2] [--rounds 3] [--windows 3] [--every 10]
-                                [--precision bf16] [--only NAME,...] [--peak-size 8192]
+                                [--precision bf16] [--only NAME,...] [--peak-size 8192] [--deterministic]
 
 Shapes: `medium` (the medium preset: 8 blocks, width 256, seq 128, batch 32) and `gpt2` (GPT-2
 small's shape: 12 blocks, width 768, 12 heads, seq 1024, batch 32; byte vocabulary). For each, the
@@ -14,6 +14,10 @@ variants run interleaved, round after round, in this one process:
 - `normlab eager|compile|cudagraph`, each with telemetry off and at `telemetry.every=--every`: a real
   `normlab.train.train` run (compile=true, compile_mode=reduce-overhead for cudagraph), logging every
   `--every` steps, so each timed window holds one telemetry step when telemetry is on.
+- with `--deterministic`, also `normlab eager|compile deterministic`: the same runs with
+  deterministic=true (torch's deterministic kernels, cuBLAS's fixed workspace), so their cost is
+  printed beside the default. CUBLAS_WORKSPACE_CONFIG is then set for the whole process before its
+  first matmul, as cuBLAS reads it once; every other variant runs under it too.
 
 A window is `--every` steps between two host syncs; the first window (warm-up, compilation, graph
 capture) is not timed; every figure is the median over all timed windows of all rounds. Printed:
@@ -45,10 +49,12 @@ SHAPES = {
 CAPTURES = {"eager": (False, "default"), "compile": (True, "default"), "cudagraph": (True, "reduce-overhead")}
 
 
-def variant_names(every: int) -> list[str]:
+def variant_names(every: int, deterministic: bool = False) -> list[str]:
     names = [f"ref {capture}" for capture in CAPTURES]
     for capture in CAPTURES:
         names += [f"normlab {capture}", f"normlab {capture} telemetry/{every}"]
+        if deterministic and capture != "cudagraph":
+            names.append(f"normlab {capture} deterministic")
     return names
 
 
@@ -102,11 +108,15 @@ def reference_step_times(cfg, every: int, windows: int, device: torch.device, ca
 def run_variant(name: str, overrides: list[str], args, device: torch.device) -> dict[str, Any]:
     import bench
 
-    loop, capture, *telemetry = name.split(" ")
+    loop, capture, *extras = name.split(" ")
     compiled, mode = CAPTURES[capture]
+    telemetry = any(extra.startswith("telemetry") for extra in extras)
+    deterministic = "deterministic" in extras
     cfg = bench.compose([*overrides, "device=cuda", f"precision={args.precision}", f"log_every={args.every}",
                          f"compile={str(compiled).lower()}", f"compile_mode={mode}", "progress=false",
-                         f"telemetry.every={args.every if telemetry else 0}", "ckpt.every=0", "wandb.mode=disabled"])
+                         f"telemetry.every={args.every if telemetry else 0}", "ckpt.every=0", "wandb.mode=disabled",
+                         f"deterministic={str(deterministic).lower()}"])
+    torch.use_deterministic_algorithms(False)  # a deterministic run before leaves it on; train() sets its own
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -138,6 +148,8 @@ def report(shape: str, results: dict[str, dict[str, Any]], measured_peak: float,
         base = medians.get(" ".join(name.split(" ")[:2]))
         if "telemetry" in name and base:
             print(f"  telemetry overhead, {name}: {100 * (medians[name] / base - 1):+.1f}%")
+        if "deterministic" in name and base:
+            print(f"  deterministic=true costs, {name}: {100 * (medians[name] / base - 1):+.1f}% per step")
 
 
 def main() -> int:
@@ -149,10 +161,15 @@ def main() -> int:
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--only", default=None, help="comma-separated variant names to run")
     parser.add_argument("--peak-size", type=int, default=8192, help="side n of the n×n @ n×n bf16 matmul timed")
+    parser.add_argument("--deterministic", action="store_true", help="also time normlab with deterministic=true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device: nothing to measure")
         return 0
+    if args.deterministic:
+        from normlab.train import CUBLAS_DETERMINISTIC
+
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]  # before the first matmul: read once
 
     import bench
     from normlab.flops import peak_flops
@@ -163,7 +180,7 @@ def main() -> int:
     spec_peak = peak_flops(device, "bf16", tf32=True)
     print(f"{torch.cuda.get_device_name(device)}: bf16 matmul peak measured {measured_peak / 1e12:.1f} TFLOP/s "
           f"({args.peak_size}² @ {args.peak_size}²), spec " + (f"{spec_peak / 1e12:.1f}" if spec_peak else "unknown"))
-    names = [n for n in variant_names(args.every) if args.only is None or n in args.only.split(",")]
+    names = [n for n in variant_names(args.every, args.deterministic) if args.only is None or n in args.only.split(",")]
     for shape in args.shapes.split(","):
         results: dict[str, dict[str, Any]] = {}
         for r in range(args.rounds):

@@ -230,11 +230,17 @@ def layer_heatmap(records, stat: str, title: str) -> bytes:
     finite = grid[np.isfinite(grid)]
     log_scale = finite.size > 0 and finite.min() > 0 and finite.max() > 10 * finite.min()
     width = min(10.0, max(5.0, 0.3 * len(steps) + 2.5))  # wider grows the PNG (and its render time), not legibility
-    fig = Figure(figsize=(width, max(2.5, 0.35 * len(labels) + 1.2)), dpi=100)
-    ax = fig.add_subplot()
+    height = max(2.5, 0.35 * len(labels) + 1.2)
+    fig = Figure(figsize=(width, height), dpi=100)
+    # Fixed margins in inches, not tight_layout: the labels' sizes are known, and laying out by measuring
+    # them doubled the time a run spends on its heatmaps (a sweep's per-job cost).
+    left, bottom, top, bar, gap, right = 0.75, 0.55, 0.35, 0.15, 0.12, 0.85
+    span = (height - bottom - top) / height
+    ax = fig.add_axes((left / width, bottom / height, (width - left - gap - bar - right) / width, span))
+    colorbar_ax = fig.add_axes(((width - bar - right) / width, bottom / height, bar / width, span))
     image = ax.imshow(np.ma.masked_invalid(grid), origin="lower", aspect="auto", interpolation="nearest",
                       cmap="viridis", norm=LogNorm() if log_scale else None)
-    fig.colorbar(image, ax=ax)
+    fig.colorbar(image, cax=colorbar_ax)
     ax.set_yticks(range(len(labels)), labels)
     stride = max(1, math.ceil(len(steps) / 12))  # at most ~12 step labels
     ticks = list(range(0, len(steps), stride))
@@ -242,7 +248,6 @@ def layer_heatmap(records, stat: str, title: str) -> bytes:
     ax.set_xlabel("step")
     ax.set_ylabel("block")
     ax.set_title(title)
-    fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -625,12 +626,18 @@ def sweep_group(hc) -> str:
     swept = list((hc.sweeper.get("params") or {}).keys())
     launched = Path(hc.sweep.dir) / "multirun.yaml"  # the sweep's own command line, as Hydra saved it
     if launched.exists():
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        task = OmegaConf.load(launched).hydra.overrides.task
-        swept += [o.get_key_element() for o in OverridesParser.create().parse_overrides(list(task))
-                  if o.is_sweep_override()]
+        swept += _swept_on_command_line(str(launched), launched.stat().st_mtime_ns)
     return "+".join(dict.fromkeys(swept) or ["sweep"]) + f"_{stamp}"
+
+
+@functools.lru_cache(maxsize=8)
+def _swept_on_command_line(multirun_yaml: str, mtime_ns: int) -> tuple[str, ...]:
+    """The keys a sweep's command line sweeps, read from its multirun.yaml; once per sweep (and version of
+    the file, `mtime_ns`), not once per job: loading the YAML costs a job 0.05 s."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    task = OmegaConf.load(multirun_yaml).hydra.overrides.task
+    return tuple(o.get_key_element() for o in OverridesParser.create().parse_overrides(list(task)) if o.is_sweep_override())
 
 
 def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:

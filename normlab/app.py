@@ -26,7 +26,7 @@ from datetime import datetime
 from importlib import resources
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from . import machine, overrides, rundir
 from .config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob, format_lr
@@ -195,7 +195,7 @@ def _search_sweep_checks(parser, overrides: list[str], config_dirs: list[str]) -
     return [[o.input_line for o in parsed if not o.is_sweep_override()]]
 
 
-def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> None:
+def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool, composed: dict | None = None) -> None:
     """Compose every job the command line asks for and validate its whole config.
 
     So a bad value in a sweep list, or a combination that makes no sense (placement=deepnorm with
@@ -205,6 +205,7 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
     part is checked here and each trial as it starts. A `norm.KNOB=...` override must name a knob that
     each job's norm reads. Jobs with pack=true must be packable (check_packing). Raises ConfigError
     naming the first bad job. A config Hydra itself cannot compose is left for Hydra to report when it runs.
+    `composed`: configs already composed (overrides.check_composition's `by_job`), reused for the jobs they match.
     """
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path
@@ -232,7 +233,7 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool) -> 
                 jobs = sweep_jobs(params + list(overrides), hydra.config_loader)
             else:
                 jobs = _search_sweep_checks(OverridesParser.create(config_loader=hydra.config_loader), list(overrides), config_dirs)
-        cfgs = [_check_job(hydra, job, config_dirs, multirun, RunConfig) for job in jobs]
+        cfgs = [_check_job(hydra, job, config_dirs, multirun, RunConfig, composed or {}) for job in jobs]
     except ConfigError:
         raise
     except Exception:
@@ -300,9 +301,9 @@ def _norm_knob_overrides(job: list[str]) -> tuple[list[tuple[str, str]], list[st
     return knobs, forced
 
 
-def _check_job(hydra, job: list[str], config_dirs: list[str], multirun: bool, run_config):
-    """Check one job's values, compose its config and validate it; returns its RunConfig. ConfigError
-    names the job in a sweep."""
+def _check_job(hydra, job: list[str], config_dirs: list[str], multirun: bool, run_config, composed: dict):
+    """Check one job's values, compose its config (or take it from `composed`, by the overrides it was
+    composed with) and validate it; returns its RunConfig. ConfigError names the job in a sweep."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
 
@@ -310,10 +311,8 @@ def _check_job(hydra, job: list[str], config_dirs: list[str], multirun: bool, ru
     try:
         check_values(OverridesParser.create().parse_overrides(job), config_dirs)
         knobs, forced = _norm_knob_overrides(job)
-        cfg = hydra.compose_config("config", forced, run_mode=RunMode.RUN, from_shell=True)
-        with open_dict(cfg):
-            del cfg["hydra"]
-        raw = OmegaConf.to_container(cfg, resolve=True)
+        cfg = composed.get(tuple(forced)) or hydra.compose_config("config", forced, run_mode=RunMode.RUN, from_shell=True)
+        raw = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True)
         if raw.get("norm", {}).get("name") in NORM_TRAITS:
             for knob, value in knobs:
                 check_norm_knob(raw["norm"]["name"], knob, value)
@@ -348,10 +347,12 @@ def run_train(argv: list[str]) -> int:
         overrides.check_command_line(args.overrides, config_dirs, args.multirun, CONFIG_MODULE, args.config_name)
         added = precheck(args.overrides, config_dirs, multirun=args.multirun)
         argv = [*argv, *added]
+        by_job: dict = {}
         composed = overrides.check_composition(
-            [*args.overrides, *added], config_dirs, CONFIG_MODULE, args.config_name, sweep_jobs if args.multirun else None
+            [*args.overrides, *added], config_dirs, CONFIG_MODULE, args.config_name, sweep_jobs if args.multirun else None,
+            by_job=by_job,
         )
-        check_jobs(args.overrides, config_dirs, args.multirun)
+        check_jobs(args.overrides, config_dirs, args.multirun, composed=by_job if args.config_name in (None, "config") else None)
         machine.check_machine(composed, args.multirun, local=not _on_cluster(args.overrides))
     except ConfigError as err:
         return _fail(err)

@@ -80,3 +80,23 @@ def test_a_bad_job_in_a_sweep_stops_it_before_any_job_trains(tmp_path, monkeypat
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("normlab: error: ") and message in line
     assert not (tmp_path / "outputs").exists()
+
+
+def test_the_checks_before_a_sweep_compose_each_job_once(tmp_path, monkeypatch, capsys):
+    """check_composition and check_jobs share their compositions: Hydra's composition costs a job 0.2 s."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    composed = []
+    load = ConfigLoaderImpl.load_configuration
+
+    def counting(self, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
+        composed.append(list(overrides))
+        return load(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counting)
+    monkeypatch.chdir(tmp_path)
+    # The last job is bad: the checks refuse the sweep, so only they compose (Hydra never starts).
+    assert main(["train", "-m", *TINY, "seed=0,1,2", "placement=pre,deepnorm", "norm=none"]) == 2
+    assert "placement=deepnorm with norm=none" in capsys.readouterr().err
+    jobs = [job for job in composed if any(o.startswith("seed=") and "," not in o for o in job)]
+    assert len(jobs) == 6 and len({tuple(job) for job in jobs}) == 6

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import logging
 import math
 import os
@@ -474,6 +475,8 @@ def _task(cfg: DictConfig) -> float:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    if multirun:
+        settle_garbage()
     if not distributed.is_active() and distributed.init_from_env():  # a SLURM job of several tasks
         atexit.register(distributed.shutdown)
     try:
@@ -509,6 +512,15 @@ def _task(cfg: DictConfig) -> float:
             raise
         return _job_failed(hc, run_cfg, err, recorded=True)
     return summary["final_val_loss"]
+
+
+def settle_garbage() -> None:
+    """Before a sweep's job: collect what the jobs before it left, and exempt everything still alive from
+    later collections. A sweep's process holds some 370k objects of torch, wandb and Hydra, and each job
+    allocates enough to set off about one full collection, which walks them all (0.4 s on a 2-core CPU);
+    frozen, they are walked no more, while each job's own garbage is still collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def job_config(cfg: DictConfig) -> RunConfig:

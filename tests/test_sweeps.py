@@ -144,3 +144,32 @@ def test_experiment_presets_compose_to_their_sweeps():
     assert dict(grid.hydra.sweeper.params) == {"norm": "none,layer,rms,batch", "placement": "pre,post"}
     assert lrs.hydra.sweeper.params.lr == "3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1"
     assert depth.hydra.sweeper.params.depth == "2,4,8,16"
+
+
+def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_freezes_what_lives():
+    import gc
+    import weakref
+
+    from normlab.app import settle_garbage
+
+    class Node:
+        pass
+
+    enabled = gc.isenabled()
+    gc.disable()  # so that only settle_garbage collects the cycle below
+    try:
+        left = Node()
+        left.cycle = left  # garbage that only the collector frees, like a finished job's autograd graph
+        freed = weakref.ref(left)
+        del left
+        alive = Node()
+        alive.cycle = alive
+        frozen_before = gc.get_freeze_count()
+        assert freed() is not None
+        settle_garbage()
+        assert freed() is None
+        assert gc.get_freeze_count() > frozen_before and not any(o is alive for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from . import keys
-from .config import NORMS, PLACEMENTS, bookkeeping_keys, format_lr
+from .config import NORM_TRAITS, NORMS, PLACEMENTS, bookkeeping_keys, format_lr
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
@@ -347,7 +347,16 @@ def arm_keys(runs: list[Run]) -> list[str]:
 
 
 def arm_of(run: Run, keys: list[str]) -> Arm:
-    return Arm(run.norm, run.placement, tuple((k, run.settings.get(k)) for k in keys))
+    """`run`'s arm: its norm, placement and values of the arm `keys`, less the norm knobs its norm does not
+    read (a LayerNorm run of a sweep over DyT's α is one LayerNorm arm, not one arm per unused α)."""
+    return Arm(run.norm, run.placement, tuple((k, run.settings.get(k)) for k in keys if _reads(run.norm, k)))
+
+
+def _reads(norm: str, key: str) -> bool:
+    """Whether a run of `norm` reads config key `key`: every key but a `norm.KNOB` of a known norm without
+    that knob."""
+    knob = key.removeprefix("norm.")
+    return knob == key or norm not in NORM_TRAITS or knob in NORM_TRAITS[norm].knobs
 
 
 def condition_label(arm: Arm, lr: float) -> str:

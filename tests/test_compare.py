@@ -269,6 +269,17 @@ def test_runs_that_differ_only_in_bookkeeping_are_one_arm(tmp_path, config):
     assert labels == ["rms-pre optim.warmup_steps=7", "rms-pre optim.warmup_steps=50"]
 
 
+def test_a_norm_knob_splits_only_the_arms_of_the_norms_that_read_it(tmp_path):
+    # `norm=layer,dyt norm.alpha_attn=0.5,1.0`: the override reaches LayerNorm's config too, which never reads it.
+    for norm in ("layer", "dyt"):
+        for alpha in (0.5, 1.0):
+            write_run(tmp_path / f"{norm}-{alpha}", norm=norm, extra_config={"norm.alpha_attn": alpha})
+    arms = build_comparison(find_run_dirs([tmp_path])).arms
+    assert [(a.arm.label, len(a.runs)) for a in arms] == [
+        ("layer-pre", 2), ("dyt-pre norm.alpha_attn=0.5", 1), ("dyt-pre norm.alpha_attn=1.0", 1)
+    ]
+
+
 def test_config_json_is_read_and_hydras_config_only_without_it(tmp_path):
     new = write_run(tmp_path / "new", extra_config={"init": "xavier", "optim.warmup_steps": 7})
     (new / ".hydra").mkdir()  # a stale Hydra config beside normlab's own: not read

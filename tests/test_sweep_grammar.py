@@ -100,3 +100,24 @@ def test_the_checks_before_a_sweep_compose_each_job_once(tmp_path, monkeypatch, 
     assert "placement=deepnorm with norm=none" in capsys.readouterr().err
     jobs = [job for job in composed if any(o.startswith("seed=") and "," not in o for o in job)]
     assert len(jobs) == 6 and len({tuple(job) for job in jobs}) == 6
+
+
+def test_a_sweep_composes_each_job_once_in_the_checks_and_once_in_hydra(tmp_path, monkeypatch):
+    """Hydra's sweeper composes each job to validate it and its launcher again to run it; normlab's
+    launcher runs the job with the config the validation composed (same results, 0.2 s less a job)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    composed = []
+    load = ConfigLoaderImpl.load_configuration
+
+    def counting(self, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
+        composed.append(list(overrides))
+        return load(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counting)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "-m", *SWEEP, "seed=0,1,2"]) == 0
+    per_seed = [sum(f"seed={s}" in job for job in composed) for s in range(3)]
+    assert per_seed == [2, 2, 2]  # normlab's checks, then Hydra's validation; the launcher reuses the latter
+    summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs(tmp_path / "outputs")]
+    assert sorted(s["seed"] for s in summaries) == [0, 1, 2] and all(s["status"] == "completed" for s in summaries)

@@ -38,6 +38,7 @@ Imports stay light: torch is imported only to count GPUs, in the workers, and fo
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -253,12 +254,40 @@ def _picklable(ret: JobReturn) -> JobReturn:
     return ret
 
 
+class ComposedOnce:
+    """A config loader's load_sweep_config that composes each job once where Hydra composes it twice: the
+    sweeper composes every job of a batch to validate it, then the launcher composes it again to run it
+    (0.2 s a job). A copy of the first config composed for a job is kept and handed to the next call for
+    the same job (then forgotten), so every caller gets a config of its own. At most `keep` are kept."""
+
+    def __init__(self, load, keep: int = 256):
+        self.load, self.keep, self.kept = load, keep, {}
+
+    def __call__(self, master_config: DictConfig, sweep_overrides: List[str]) -> DictConfig:
+        key = (id(master_config), tuple(sweep_overrides))
+        if key in self.kept:
+            return self.kept.pop(key)
+        sweep_config = self.load(master_config, sweep_overrides)
+        if len(self.kept) < self.keep:
+            self.kept[key] = copy.deepcopy(sweep_config)  # a copy of its own: callers set their job's fields
+        return sweep_config
+
+
 class NormlabLauncher(BasicLauncher):
     """Runs a sweep's jobs concurrently over GPU slots (see the module's docstring); one slot: sequentially."""
 
     def __init__(self, jobs_per_gpu: int = JOBS_PER_GPU, cpu_jobs: int = 1, devices: Optional[List[str]] = None) -> None:
         super().__init__()
         self.jobs_per_gpu, self.cpu_jobs, self.devices = jobs_per_gpu, cpu_jobs, devices
+
+    def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        loader = hydra_context.config_loader
+        # Jobs run in this process: the launcher takes the configs the sweeper composed to validate them.
+        # (Workers get the loader pickled, which a wrapper around its own method would not survive.)
+        sequential = len(plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)) == 1
+        if sequential and not isinstance(loader.load_sweep_config, ComposedOnce):
+            loader.load_sweep_config = ComposedOnce(loader.load_sweep_config)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         jobs = list(enumerate(job_overrides, start=initial_job_idx))

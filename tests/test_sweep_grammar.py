@@ -82,18 +82,24 @@ def test_a_bad_job_in_a_sweep_stops_it_before_any_job_trains(tmp_path, monkeypat
     assert not (tmp_path / "outputs").exists()
 
 
-def test_the_checks_before_a_sweep_compose_each_job_once(tmp_path, monkeypatch, capsys):
-    """check_composition and check_jobs share their compositions: Hydra's composition costs a job 0.2 s."""
+@pytest.fixture
+def composed(monkeypatch):
+    """The overrides of every config Hydra composes from here on, in order."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
-    composed = []
+    seen = []
     load = ConfigLoaderImpl.load_configuration
 
     def counting(self, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
-        composed.append(list(overrides))
+        seen.append(list(overrides))
         return load(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
 
     monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counting)
+    return seen
+
+
+def test_the_checks_before_a_sweep_compose_each_job_once(tmp_path, monkeypatch, capsys, composed):
+    """check_composition and check_jobs share their compositions: Hydra's composition costs a job 0.2 s."""
     monkeypatch.chdir(tmp_path)
     # The last job is bad: the checks refuse the sweep, so only they compose (Hydra never starts).
     assert main(["train", "-m", *TINY, "seed=0,1,2", "placement=pre,deepnorm", "norm=none"]) == 2
@@ -102,19 +108,9 @@ def test_the_checks_before_a_sweep_compose_each_job_once(tmp_path, monkeypatch, 
     assert len(jobs) == 6 and len({tuple(job) for job in jobs}) == 6
 
 
-def test_a_sweep_composes_each_job_once_in_the_checks_and_once_in_hydra(tmp_path, monkeypatch):
+def test_a_sweep_composes_each_job_once_in_the_checks_and_once_in_hydra(tmp_path, monkeypatch, composed):
     """Hydra's sweeper composes each job to validate it and its launcher again to run it; normlab's
     launcher runs the job with the config the validation composed (same results, 0.2 s less a job)."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-
-    composed = []
-    load = ConfigLoaderImpl.load_configuration
-
-    def counting(self, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
-        composed.append(list(overrides))
-        return load(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
-
-    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counting)
     monkeypatch.chdir(tmp_path)
     assert main(["train", "-m", *SWEEP, "seed=0,1,2"]) == 0
     per_seed = [sum(f"seed={s}" in job for job in composed) for s in range(3)]

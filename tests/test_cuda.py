@@ -12,7 +12,8 @@ from normlab.checkpoint import checkpoint_path
 from normlab.config import CkptConfig, TelemetryConfig
 from normlab.train import train
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# One worker of pytest-xdist runs them all, so the GPU is not shared between workers.
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), pytest.mark.xdist_group("cuda")]
 
 
 def cuda_config(**overrides):

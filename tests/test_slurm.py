@@ -30,6 +30,8 @@ SHORT = [*TINY, "max_steps=6", "eval_every=3", "log_every=1"]
 # Long enough (several seconds) for the test to signal the job while it trains.
 LONG = [*TINY, "max_steps=800", "eval_every=400", "log_every=50", "ckpt.every=50"]
 DROP = ("tokens_per_s", "wall_time_s", "eval_time_s", "resumed_from_step", "preempted_step")
+# One cluster on this machine: under pytest-xdist every test here runs in the same worker.
+pytestmark = pytest.mark.xdist_group("slurm")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """normlab's real training loop beside a hand-written reference loop on one CUDA GPU, in one process.
 
     python scripts/bench_gpu.py [--shapes medium,gpt2] [--rounds 3] [--windows 3] [--every 10]
-                                [--precision bf16] [--only NAME,...] [--peak-size 8192] [--deterministic]
+                                [--precision bf16] [--only NAME,...] [--peak-size 8192] [--deterministic] [--cpu]
 
 Shapes: `medium` (the medium preset: 8 blocks, width 256, seq 128, batch 32) and `gpt2` (GPT-2
 small's shape: 12 blocks, width 768, 12 heads, seq 1024, batch 32; byte vocabulary). For each, the
@@ -24,7 +24,8 @@ capture) is not timed; every figure is the median over all timed windows of all 
 ms/step, tokens/s, MFU against the bf16 matmul peak measured here (an n×n @ n×n matmul, --peak-size)
 and against the device's dense bf16 spec (normlab.flops.PEAK_TFLOPS), peak memory
 (torch.cuda.max_memory_allocated), and the ratio of tokens/s to the reference with the same capture.
-Without a CUDA device it prints one line and exits 0.
+Without a CUDA device it prints one line and exits 0. `--cpu` runs it all on the CPU instead, where
+its figures mean nothing: a check of the script itself (tests/test_scripts.py), with the `tiny` shape.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 SHAPES = {
+    "tiny": ["model=tiny"],  # for --cpu, the script's own check
     "medium": ["model=medium"],
     "gpt2": ["depth=12", "model.d_model=768", "model.n_head=12", "model.context=1024", "seq_len=1024"],
 }
@@ -80,17 +82,18 @@ def reference_step_times(cfg, every: int, windows: int, device: torch.device, ca
     other = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": other, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=True,
+        lr=cfg.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=device.type == "cuda",
     )
     tokens = load_corpus(cfg.data, cfg.tokenizer).train
     gen = torch.Generator().manual_seed(cfg.seed)
     times, t0 = [], time.perf_counter()
     for step in range(every * (windows + 1)):
         x, y = sample_batch(tokens, cfg.batch_size, cfg.seq_len, gen)
-        x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        if device.type == "cuda":
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
             logits = forward(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
         loss.backward()
@@ -112,19 +115,21 @@ def run_variant(name: str, overrides: list[str], args, device: torch.device) -> 
     compiled, mode = CAPTURES[capture]
     telemetry = any(extra.startswith("telemetry") for extra in extras)
     deterministic = "deterministic" in extras
-    cfg = bench.compose([*overrides, "device=cuda", f"precision={args.precision}", f"log_every={args.every}",
+    cfg = bench.compose([*overrides, f"device={device.type}", f"precision={args.precision}", f"log_every={args.every}",
                          f"compile={str(compiled).lower()}", f"compile_mode={mode}", "progress=false",
                          f"telemetry.every={args.every if telemetry else 0}", "ckpt.every=0", "wandb.mode=disabled",
                          f"deterministic={str(deterministic).lower()}"])
     torch.use_deterministic_algorithms(False)  # a deterministic run before leaves it on; train() sets its own
     torch._dynamo.reset()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    gpu = device.type == "cuda"
+    if gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     if loop == "ref":
         step_s = reference_step_times(cfg, args.every, args.windows, device, capture)
     else:
         step_s = bench.run_normlab(cfg, args.windows)["step_s"]  # a real train() run; windows between logged steps
-    return {"step_s": step_s, "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30, "cfg": cfg}
+    return {"step_s": step_s, "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else 0.0, "cfg": cfg}
 
 
 def report(shape: str, results: dict[str, dict[str, Any]], measured_peak: float, spec_peak: float | None) -> None:
@@ -162,8 +167,9 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated variant names to run")
     parser.add_argument("--peak-size", type=int, default=8192, help="side n of the n×n @ n×n bf16 matmul timed")
     parser.add_argument("--deterministic", action="store_true", help="also time normlab with deterministic=true")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU: a check of the script, not a measurement")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if not (args.cpu or torch.cuda.is_available()):
         print("bench_gpu: no CUDA device: nothing to measure")
         return 0
     if args.deterministic:
@@ -174,11 +180,12 @@ def main() -> int:
     import bench
     from normlab.flops import peak_flops
 
-    device = torch.device("cuda")
+    device = torch.device("cpu" if args.cpu else "cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
     measured_peak = bench.peak_matmul_flops(torch.bfloat16, device, args.peak_size)
     spec_peak = peak_flops(device, "bf16", tf32=True)
-    print(f"{torch.cuda.get_device_name(device)}: bf16 matmul peak measured {measured_peak / 1e12:.1f} TFLOP/s "
+    name = "CPU (a check of this script: its figures mean nothing)" if args.cpu else torch.cuda.get_device_name(device)
+    print(f"{name}: bf16 matmul peak measured {measured_peak / 1e12:.1f} TFLOP/s "
           f"({args.peak_size}² @ {args.peak_size}²), spec " + (f"{spec_peak / 1e12:.1f}" if spec_peak else "unknown"))
     names = [n for n in variant_names(args.every, args.deterministic) if args.only is None or n in args.only.split(",")]
     for shape in args.shapes.split(","):

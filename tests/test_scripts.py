@@ -151,6 +151,25 @@ def test_bench_gpu_says_in_one_line_that_there_is_no_gpu(tmp_path):
     assert out.splitlines() == ["bench_gpu: no CUDA device: nothing to measure"]
 
 
+def test_bench_gpu_runs_its_reference_and_normlab_variants_on_the_cpu_when_asked(tmp_path):
+    """--cpu: the GPU benchmark's own code (reference loop, normlab runs, table) runs here, figures aside."""
+    variants = ["ref eager", "normlab eager", "normlab eager telemetry/2", "normlab eager deterministic"]
+    out = script("bench_gpu.py", "--cpu", "--shapes", "tiny", "--rounds", "1", "--windows", "2", "--every", "2",
+                 "--precision", "fp32", "--peak-size", "128", "--deterministic", "--only", ",".join(variants), cwd=tmp_path)
+    rows = {}
+    for line in out.splitlines():
+        name = next((v for v in sorted(variants, key=len, reverse=True) if line.startswith(v + " ")), None)
+        if name:
+            rows[name] = line[len(name):].split()
+    assert list(rows) == variants
+    ms = {name: float(cells[0]) for name, cells in rows.items()}
+    assert all(v > 0 for v in ms.values())
+    assert float(rows["normlab eager"][-1]) == pytest.approx(ms["ref eager"] / ms["normlab eager"], abs=0.002)
+    overhead = re.search(rf"telemetry overhead, normlab eager telemetry/2: ([+-]{NUMBER})%", out).group(1)
+    assert float(overhead) == pytest.approx(100 * (ms["normlab eager telemetry/2"] / ms["normlab eager"] - 1), abs=0.2)
+    assert "deterministic=true costs, normlab eager deterministic:" in out
+
+
 def test_pack_bench_times_runs_and_both_batchings(tmp_path):
     out = script("pack_bench.py", "--steps", "2", "--lrs", "1e-3", "--seeds", "0,1", "--rounds", "1",
                  "--kernel-steps", "1", "--overrides", "batch_size=4", "seq_len=16", "eval_batches=1", cwd=tmp_path)

@@ -69,7 +69,9 @@ def test_two_jobs_at_once_on_the_cpu_equal_the_sequential_sweep(tmp_path):
     # The reference needs no wandb run (about two seconds a job); the concurrent jobs keep theirs.
     sequential = normlab(*sweep, "hydra.sweep.dir=seq", "wandb.mode=disabled", cwd=tmp_path)
     assert sequential.returncode == 0, sequential.stderr[-3000:]
-    concurrent = normlab(*sweep, "hydra.sweep.dir=conc", "hydra.launcher.cpu_jobs=2", cwd=tmp_path)
+    # CUDA_VISIBLE_DEVICES="": the CPU's slots (cpu_jobs), also on a machine with a GPU.
+    concurrent = normlab(*sweep, "hydra.sweep.dir=conc", "hydra.launcher.cpu_jobs=2", cwd=tmp_path,
+                         env={"CUDA_VISIBLE_DEVICES": ""})
     assert concurrent.returncode == 0, concurrent.stderr[-3000:]
     assert "2 at once on the CPU" in concurrent.stdout + concurrent.stderr
     seq, conc = _losses(tmp_path / "seq"), _losses(tmp_path / "conc")

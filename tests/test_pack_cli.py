@@ -113,8 +113,9 @@ def test_a_rerun_packed_sweep_trains_nothing_again(sweeps, tmp_path):
 
 def test_jobs_that_differ_in_the_norm_form_separate_packs_in_their_worker_slots(sweeps, tmp_path):
     cwd, env, _ = sweeps
+    # CUDA_VISIBLE_DEVICES="": the CPU's slots (cpu_jobs), as on a machine without a GPU.
     result = normlab("train", "-m", *TINY, "norm=layer,rms", "lr=1e-3,3e-3", "pack=true", "hydra.launcher.cpu_jobs=2",
-                     "hydra.sweep.dir=sweep", cwd=tmp_path, env=env)
+                     "hydra.sweep.dir=sweep", cwd=tmp_path, env={**env, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Launching 4 jobs (2 packs among them), 2 at once on the CPU" in result.stdout + result.stderr
     runs = _runs(tmp_path / "sweep")

@@ -172,7 +172,7 @@ def test_bench_gpu_runs_its_reference_and_normlab_variants_on_the_cpu_when_asked
 
 def test_sweep_bench_times_a_sweep_per_setting_and_compares_its_losses(tmp_path):
     out = script("sweep_bench.py", "--per-gpu", "1,2", "norm=layer,rms", "model=tiny", "max_steps=2", "batch_size=4",
-                 "seq_len=16", "eval_batches=1", "wandb.mode=disabled", cwd=tmp_path)
+                 "seq_len=16", "eval_batches=1", "wandb.mode=disabled", "device=cpu", cwd=tmp_path)
     lines = [line for line in out.splitlines() if line.startswith("jobs_per_gpu=")]
     assert [line.split(":")[0] for line in lines] == ["jobs_per_gpu=1", "jobs_per_gpu=2"]
     assert all("for 2 jobs (completed)" in line and line.endswith("final val losses equal") for line in lines)

@@ -111,6 +111,7 @@ def test_the_checks_before_a_sweep_compose_each_job_once(tmp_path, monkeypatch, 
 def test_a_sweep_composes_each_job_once_in_the_checks_and_once_in_hydra(tmp_path, monkeypatch, composed):
     """Hydra's sweeper composes each job to validate it and its launcher again to run it; normlab's
     launcher runs the job with the config the validation composed (same results, 0.2 s less a job)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # jobs in this process, one after another, also beside a GPU
     monkeypatch.chdir(tmp_path)
     assert main(["train", "-m", *SWEEP, "seed=0,1,2"]) == 0
     per_seed = [sum(f"seed={s}" in job for job in composed) for s in range(3)]

@@ -79,3 +79,31 @@ def test_two_jobs_at_once_on_the_cpu_equal_the_sequential_sweep(tmp_path):
     assert all(status == "completed" for status, _, _ in seq.values())
     for name in seq:
         assert f"job {name.split('_')[0]} {name.split('_', 1)[1]}: completed" in concurrent.stdout
+
+
+def test_composed_once_hands_the_validated_config_to_the_launch_once_and_keeps_nothing_after():
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.normlab_launcher.normlab_launcher import ComposedOnce
+
+    composed = []
+
+    def load(master, overrides):
+        composed.append(list(overrides))
+        return OmegaConf.create({"job": list(overrides), "hydra": {"job": {"num": None}}})
+
+    master = OmegaConf.create({})
+    once = ComposedOnce(load)
+    validated = [once(master, [f"seed={s}"]) for s in range(3)]  # the sweeper validates the batch
+    with once.launch():
+        first = once(master, ["seed=0"])  # the launcher: the validation's config, a copy of its own
+        assert len(composed) == 3 and first == validated[0] and first is not validated[0]
+        first.hydra.job.num = 0
+        again = once(master, ["seed=0"])  # a pack's later pass composes afresh, and nothing is kept
+        assert len(composed) == 4 and again.hydra.job.num is None and once.kept.keys() == {
+            (id(master), ("seed=1",)), (id(master), ("seed=2",))}
+    assert once.kept == {}  # what the launch did not take is forgotten
+    once(master, ["seed=1"])
+    with once.launch():
+        once(master, ["seed=1"])
+    assert len(composed) == 5  # the next batch: validated, then taken

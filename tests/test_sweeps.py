@@ -146,7 +146,7 @@ def test_experiment_presets_compose_to_their_sweeps():
     assert depth.hydra.sweeper.params.depth == "2,4,8,16"
 
 
-def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_freezes_what_lives():
+def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_the_first_freezes_what_lives():
     import gc
     import weakref
 
@@ -155,20 +155,32 @@ def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_freezes_what_l
     class Node:
         pass
 
+    def cycle():
+        node = Node()
+        node.cycle = node  # garbage that only the collector frees, like a finished job's autograd graph
+        return node
+
     enabled = gc.isenabled()
-    gc.disable()  # so that only settle_garbage collects the cycle below
+    gc.disable()  # so that only settle_garbage collects the cycles below
+    gc.unfreeze()
     try:
-        left = Node()
-        left.cycle = left  # garbage that only the collector frees, like a finished job's autograd graph
+        left = cycle()
         freed = weakref.ref(left)
         del left
-        alive = Node()
-        alive.cycle = alive
-        frozen_before = gc.get_freeze_count()
-        assert freed() is not None
+        alive = cycle()
+        settle_garbage()  # the process's first job
+        assert freed() is None
+        assert gc.get_freeze_count() > 0 and not any(o is alive for o in gc.get_objects())
+        # A later job: what the job before left is collected, and nothing more is frozen.
+        later = cycle()
+        frozen = gc.get_freeze_count()
+        settle_garbage()
+        assert gc.get_freeze_count() == frozen and any(o is later for o in gc.get_objects())
+        left = cycle()
+        freed = weakref.ref(left)
+        del left
         settle_garbage()
         assert freed() is None
-        assert gc.get_freeze_count() > frozen_before and not any(o is alive for o in gc.get_objects())
     finally:
         gc.unfreeze()
         if enabled:

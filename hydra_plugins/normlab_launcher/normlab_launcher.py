@@ -257,20 +257,32 @@ def _picklable(ret: JobReturn) -> JobReturn:
 class ComposedOnce:
     """A config loader's load_sweep_config that composes each job once where Hydra composes it twice: the
     sweeper composes every job of a batch to validate it, then the launcher composes it again to run it
-    (0.2 s a job). A copy of the first config composed for a job is kept and handed to the next call for
-    the same job (then forgotten), so every caller gets a config of its own. At most `keep` are kept."""
+    (0.2 s a job). Outside a launch (the sweeper validating), a copy of each config composed is kept; in
+    the launch, the first call for a job takes its copy (so every caller gets a config of its own), and
+    the launch's end forgets what no call took. At most `keep` are kept."""
 
     def __init__(self, load, keep: int = 256):
         self.load, self.keep, self.kept = load, keep, {}
+        self.launching = False
 
     def __call__(self, master_config: DictConfig, sweep_overrides: List[str]) -> DictConfig:
         key = (id(master_config), tuple(sweep_overrides))
-        if key in self.kept:
+        if self.launching and key in self.kept:
             return self.kept.pop(key)
         sweep_config = self.load(master_config, sweep_overrides)
-        if len(self.kept) < self.keep:
+        if not self.launching and len(self.kept) < self.keep:
             self.kept[key] = copy.deepcopy(sweep_config)  # a copy of its own: callers set their job's fields
         return sweep_config
+
+    @contextlib.contextmanager
+    def launch(self):
+        """The launch of a batch: kept configs are handed out, none kept; at the end the rest are forgotten."""
+        self.launching = True
+        try:
+            yield
+        finally:
+            self.launching = False
+            self.kept.clear()
 
 
 class NormlabLauncher(BasicLauncher):
@@ -290,6 +302,16 @@ class NormlabLauncher(BasicLauncher):
             loader.load_sweep_config = ComposedOnce(loader.load_sweep_config)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        import gc
+
+        composed = self.hydra_context.config_loader.load_sweep_config
+        try:
+            with composed.launch() if isinstance(composed, ComposedOnce) else contextlib.nullcontext():
+                return self._launch(job_overrides, initial_job_idx)
+        finally:
+            gc.unfreeze()  # what normlab.app.settle_garbage froze for the sweep's jobs
+
+    def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         jobs = list(enumerate(job_overrides, start=initial_job_idx))
         units = [[job] for job in jobs]
         if asks_for_packs(self.config, job_overrides):

@@ -506,6 +506,7 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
     grouped: dict[Arm, list[Run]] = {}
     for run in runs:
         grouped.setdefault(arm_by_path[run.path], []).append(run)
+    grouped = {arm: _once_each(members, keys, notes) for arm, members in grouped.items()}
     arms = [summarize_arm(arm, grouped[arm]) for arm in sorted(grouped, key=Arm.sort_key)]
     ordered = [run for result in arms for run in result.runs]
     root = Path(os.path.commonpath([run.path for run in ordered]))
@@ -515,6 +516,23 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
         if run.bad_lines:
             notes.append(f"{run.path.name}: {run.bad_lines} line(s) of {METRICS} were not readable rows (torn, not UTF-8 JSON, or of the wrong types) and were ignored")
     return Comparison(runs=ordered, arms=arms, arm_of=arm_by_path, root=root, notes=notes, measure=measure)
+
+
+def _once_each(members: list[Run], keys: list[str], notes: list[str]) -> list[Run]:
+    """An arm's runs with each training counted once: of runs at the same lr and seed that differ only in
+    norm knobs the arm's norm does not read (arm_of leaves those out), the first is kept and the others
+    noted. Runs of one config at one lr and seed (a sweep run twice) are kept, as before."""
+    first: dict[tuple, Run] = {}
+    kept = []
+    for run in members:
+        twin = first.setdefault((run.lr, run.seed), run)
+        unread = [k for k in keys if twin.settings.get(k) != run.settings.get(k)]
+        if twin is not run and unread:
+            notes.append(f"{run.path.name}: the same training as {twin.path.name} ({run.norm} does not read "
+                         f"{', '.join(unread)}): counted once")
+            continue
+        kept.append(run)
+    return kept
 
 
 def comparison_measure(runs: list[Run]) -> str:

@@ -273,11 +273,18 @@ def test_a_norm_knob_splits_only_the_arms_of_the_norms_that_read_it(tmp_path):
     # `norm=layer,dyt norm.alpha_attn=0.5,1.0`: the override reaches LayerNorm's config too, which never reads it.
     for norm in ("layer", "dyt"):
         for alpha in (0.5, 1.0):
-            write_run(tmp_path / f"{norm}-{alpha}", norm=norm, extra_config={"norm.alpha_attn": alpha})
-    arms = build_comparison(find_run_dirs([tmp_path])).arms
-    assert [(a.arm.label, len(a.runs)) for a in arms] == [
-        ("layer-pre", 2), ("dyt-pre norm.alpha_attn=0.5", 1), ("dyt-pre norm.alpha_attn=1.0", 1)
+            for seed in (0, 1):
+                for lr in (1e-3, 1e-2):
+                    write_run(tmp_path / f"{norm}-{alpha}-{seed}-{lr}", norm=norm, seed=seed, lr=lr,
+                              final=3.0 + seed / 10 + lr, extra_config={"norm.alpha_attn": alpha})
+    comparison = build_comparison(find_run_dirs([tmp_path]))
+    assert [(a.arm.label, len(a.runs)) for a in comparison.arms] == [
+        ("layer-pre", 4), ("dyt-pre norm.alpha_attn=0.5", 4), ("dyt-pre norm.alpha_attn=1.0", 4)
     ]
+    # LayerNorm's runs at alpha_attn=1.0 are the same trainings as those at 0.5: counted once, each noted.
+    assert sum("the same training as layer-0.5-" in note for note in comparison.notes) == 4
+    layer, dyt = comparison.arms[0], comparison.arms[1]
+    assert layer.n_seeds_for_std == dyt.n_seeds_for_std == 2
 
 
 def test_config_json_is_read_and_hydras_config_only_without_it(tmp_path):

@@ -124,7 +124,7 @@ def test_hub_dataset_without_network_fails_fast_with_one_line(tmp_path):
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert "surely/not-a-cached-dataset" in line and "cache" in line
-    assert elapsed < 15  # interpreter + torch import included; the hub check itself takes about a second at most
+    assert elapsed < 30  # interpreter + torch import included (10 s here, more beside another test worker); the hub check itself takes about a second at most
 
 
 HELP_LINES = {

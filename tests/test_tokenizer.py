@@ -112,7 +112,7 @@ def test_pretrained_not_cached_while_offline_fails_within_a_second(tmp_path, mon
     with pytest.raises(DataError) as caught:
         load_corpus(DataConfig(source="text", files=[str(text)], cache_dir=str(tmp_path / "c")),
                     TokenizerConfig(kind="hf", name="surely/not-cached-tokenizer-xyz"))
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0  # a network attempt takes 10 s or more; 5 s leaves room for a loaded CPU
     message = str(caught.value)
     assert "\n" not in message and "offline" in message and "surely/not-cached-tokenizer-xyz" in message
 

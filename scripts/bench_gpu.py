@@ -176,6 +176,8 @@ def main() -> int:
         from normlab.train import CUBLAS_DETERMINISTIC
 
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]  # before the first matmul: read once
+        print(f"--deterministic: CUBLAS_WORKSPACE_CONFIG={CUBLAS_DETERMINISTIC[0]} for every variant, so the cost "
+              "printed for deterministic=true leaves out that of the workspace setting")
 
     import bench
     from normlab.flops import peak_flops

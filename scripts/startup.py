@@ -76,8 +76,10 @@ def main() -> int:
         (single,) = summaries(root / "single")
         seeds = ",".join(str(s) for s in range(args.jobs))
         sweep_wall = timed([*normlab, "train", "-m", *job, f"seed={seeds}", f"hydra.sweep.dir={root / 'sweep'}"])
-        jobs = summaries(root / "sweep")
-        ended = sorted((p.stat().st_mtime, json.loads(p.read_text())) for p in (root / "sweep").rglob("summary.json"))
+        # Each job's summary with the time it was written, in that order: read once.
+        ended = sorted(((p.stat().st_mtime, json.loads(p.read_text())) for p in (root / "sweep").rglob("summary.json")),
+                       key=lambda pair: pair[0])
+        jobs = [summary for _, summary in ended]
     if len(jobs) != args.jobs or any(s["status"] != "completed" for s in [single, *jobs]):
         print(f"startup.py: error: expected {args.jobs} completed jobs, found {len(jobs)}", file=sys.stderr)
         return 1

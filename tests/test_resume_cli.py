@@ -7,13 +7,13 @@ import glob
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from wandb_log import wandb_records
 
 # Long enough (about a second of training) for the test to act while the run is in flight.
 RUN = ["model=tiny", "batch_size=4", "seq_len=16", "max_steps=80", "eval_every=20", "eval_batches=2",
@@ -51,28 +51,10 @@ def checkpoints(run_dir):
 
 def wandb_histories(run_dir):
     """{offline-run dir name: [history steps]} read from the runs' .wandb files (LevelDB-style log of protobufs)."""
-    from wandb.proto import wandb_internal_pb2
-
     histories = {}
     for path in sorted(glob.glob(str(Path(run_dir) / "wandb" / "offline-run-*" / "*.wandb"))):
-        data, pos, pending, steps = Path(path).read_bytes(), 7, b"", []
-        while pos + 7 <= len(data):
-            room = 32768 - pos % 32768
-            if room < 7:
-                pos += room
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-            if kind == 0 and length == 0:
-                pos += room
-                continue
-            pending += data[pos + 7 : pos + 7 + length]
-            pos += 7 + length
-            if kind in (1, 4):  # a full record, or the last fragment of one
-                record = wandb_internal_pb2.Record()
-                record.ParseFromString(pending)
-                pending = b""
-                if record.WhichOneof("record_type") == "history":
-                    steps.append(record.history.step.num)
+        records = wandb_records(path)
+        steps = [r.history.step.num for r in records if r.WhichOneof("record_type") == "history"]
         histories[Path(path).parent.name] = steps
     return histories
 

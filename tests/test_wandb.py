@@ -3,42 +3,16 @@ summary, read back from the offline run's .wandb file; and an online run that ca
 
 import json
 import logging
-import struct
 import time
 
 import pytest
 import wandb
-from wandb.proto import wandb_internal_pb2 as pb
 
 from conftest import tiny_config
 from normlab import keys
 from normlab.sinks import WandbUnavailable
 from normlab.train import train
-
-BLOCK = 32768  # the .wandb file is a LevelDB-style log: 32 KiB blocks of (crc, length, type, data) chunks
-
-
-def wandb_records(path) -> list:
-    """Every record (wandb_internal_pb2.Record) of a .wandb file, in the order wandb wrote them."""
-    data = path.read_bytes()
-    assert struct.unpack("<4sHB", data[:7])[0] == b":W&B"
-    records, pos, pending = [], 7, b""
-    while pos + 7 <= len(data):
-        if BLOCK - pos % BLOCK < 7:  # a block's tail too short for a chunk header is padding
-            pos += BLOCK - pos % BLOCK
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0 and length == 0:
-            break
-        pending += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # a whole record, or a record's last chunk
-            record = pb.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
+from wandb_log import wandb_records
 
 class OfflineRun:
     """The records of the one offline wandb run under a run dir."""

@@ -14,14 +14,16 @@ from normlab.sinks import WandbUnavailable
 from normlab.train import train
 from wandb_log import wandb_records
 
+
 class OfflineRun:
     """The records of the one offline wandb run under a run dir."""
 
     def __init__(self, run_dir):
         files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
         assert len(files) == 1, files
-        # wandb's service process may still be writing the file when finish() returns: wait for the exit record.
-        for _ in range(100):
+        # wandb's service process may still be writing the file when finish() returns: wait for the exit record
+        # (up to 30 s: the suite's parallel workers can slow the service down).
+        for _ in range(300):
             self.records = wandb_records(files[0])
             if self.of("exit"):
                 break

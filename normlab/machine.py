@@ -77,8 +77,10 @@ def check_device(name: str) -> str:
     return name
 
 
-def check_memory(cfgs: list[RunConfig], device: str) -> None:
-    """ConfigError if a run's estimated memory exceeds what `device` ('cpu' or 'cuda') has."""
+def check_memory(cfgs: list[RunConfig], device: str, units: list[list[int]] | None = None) -> None:
+    """ConfigError if a run's estimated memory exceeds what `device` ('cpu' or 'cuda') has. `units`: the
+    runs that train together in one process, as positions in `cfgs` (a pack's members: their estimates
+    add up); None when each run trains alone."""
     if device == "cuda":
         import torch
 
@@ -87,14 +89,22 @@ def check_memory(cfgs: list[RunConfig], device: str) -> None:
         available, where = physical_memory(), "of physical memory on this machine"
     if not available:
         return
-    for cfg in cfgs:
-        low_precision = device == "cuda" and cfg.precision != "fp32"
-        need = estimate_memory(cfg, element_bytes=2 if low_precision else 4)
+    needs = [estimate_memory(cfg, element_bytes=2 if device == "cuda" and cfg.precision != "fp32" else 4) for cfg in cfgs]
+    for cfg, need in zip(cfgs, needs):
         if need.total > available:
             raise ConfigError(
                 f"{cfg.run_name} needs about {_gib(need.total)} ({need.params:,} parameters with gradients and AdamW "
                 f"state: {_gib(need.persistent)}; activations: {_gib(need.activations)}), but there is {_gib(available)} "
                 f"{where}: lower depth, model.d_model, batch_size or seq_len (or raise grad_accum)"
+            )
+    for unit in units or []:
+        total = sum(needs[i].total for i in unit)
+        if len(unit) > 1 and total > available:
+            names = ", ".join(cfgs[i].run_name for i in unit[:3]) + (", ..." if len(unit) > 3 else "")
+            raise ConfigError(
+                f"pack=true: the pack of {len(unit)} runs ({names}) needs about {_gib(total)}, {_gib(needs[unit[0]].total)} "
+                f"each, but there is {_gib(available)} {where}: sweep fewer lr and seed values in one command, or "
+                "pack=false to train them one at a time"
             )
 
 
@@ -122,11 +132,12 @@ def check_output_dir(path: str, key: str) -> None:
         raise ConfigError(f"{key}={path}: cannot create the run dir there: {reason}: choose another with {key}=DIR") from None
 
 
-def check_machine(composed: list, multirun: bool, local: bool) -> None:
+def check_machine(composed: list, multirun: bool, local: bool, units=None) -> None:
     """Check the composed jobs (Hydra configs, hydra node included) against this machine: the run dir
     (the sweep dir in a multirun) can be made; and when the jobs run here (`local`, not on a cluster
     through a launcher), the device exists (a sweep's job on a missing device fails alone, when it runs)
-    and each run's memory estimate fits."""
+    and each run's memory estimate fits, a pack's members' together. `units(cfgs)`: the runs of `cfgs`
+    (RunConfigs) that train together, as lists of positions (normlab.app.pack_groups); None: each alone."""
     from omegaconf import OmegaConf, open_dict
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
@@ -148,7 +159,8 @@ def check_machine(composed: list, multirun: bool, local: bool) -> None:
         if multirun and device == "cuda" and not _has_cuda():
             continue  # in a sweep, that job fails alone and the sweep goes on, as any failing job does
         resolved = check_device(device)
-        check_memory([cfg for cfg in cfgs if cfg.device == device], resolved)
+        here = [cfg for cfg in cfgs if cfg.device == device]
+        check_memory(here, resolved, units(here) if units and multirun else None)
 
 
 def _has_cuda() -> bool:

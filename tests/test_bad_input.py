@@ -16,7 +16,8 @@ import torch
 
 from normlab.cli import main
 from normlab.config import ConfigError, RunConfig, suggest_key, unknown_key_message
-from normlab.machine import check_output_dir, estimate_memory
+from normlab import machine
+from normlab.machine import MemoryEstimate, check_memory, check_output_dir, estimate_memory
 
 
 def _installed(module: str) -> bool:
@@ -159,6 +160,31 @@ def test_the_memory_estimate_counts_parameters_adamw_state_and_activations():
     assert estimate.activations == 64 * (2 * 16 * 32 + 512) * 4
     deeper = RunConfig.from_dict({"depth": 4, "model": {"d_model": 32, "context": 64, "vocab_size": 256}, "seq_len": 16, "batch_size": 4})
     assert estimate_memory(deeper).total > estimate.total
+
+
+def fixed_memory(monkeypatch, each_mib: int, available_mib: int):
+    """Every run's estimate `each_mib`, and `available_mib` of physical memory."""
+    monkeypatch.setattr(machine, "estimate_memory", lambda cfg, element_bytes=4: MemoryEstimate(10**6, (each_mib - 100) * 2**20, 100 * 2**20))
+    monkeypatch.setattr(machine, "physical_memory", lambda: available_mib * 2**20)
+
+
+def test_a_packs_members_need_their_memory_together(monkeypatch):
+    fixed_memory(monkeypatch, each_mib=500, available_mib=1200)
+    cfgs = [RunConfig.from_dict({"lr": lr, "pack": True}) for lr in (1e-3, 3e-3, 1e-2)]
+    check_memory(cfgs, "cpu")  # each alone fits
+    check_memory(cfgs, "cpu", units=[[0], [1], [2]])
+    check_memory(cfgs, "cpu", units=[[0, 1], [2]])  # 1000 MiB of 1200
+    with pytest.raises(ConfigError, match=r"the pack of 3 runs .* needs about 1.5 GiB, 0.5 GiB each, but there is 1.2 GiB"):
+        check_memory(cfgs, "cpu", units=[[0, 1, 2]])
+
+
+def test_a_packed_sweep_that_cannot_fit_is_refused_before_any_job(tmp_path, monkeypatch, capsys):
+    fixed_memory(monkeypatch, each_mib=500, available_mib=1200)
+    monkeypatch.chdir(tmp_path)
+    line = assert_one_line(normlab_here("train", "-m", "lr=1e-3,3e-3,1e-2", "pack=true", *TINY, capsys=capsys),
+                           "pack=true: the pack of 3 runs", "pack=false")
+    assert "needs about 1.5 GiB" in line
+    assert not trained(tmp_path) and not (tmp_path / "multirun").exists()
 
 
 def test_the_run_dir_check_creates_nothing(tmp_path):

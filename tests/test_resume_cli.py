@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from wandb_log import wandb_records
+from wandb_log import finished_run_records, wandb_records
 
 # Long enough (about a second of training) for the test to act while the run is in flight.
 RUN = ["model=tiny", "batch_size=4", "seq_len=16", "max_steps=80", "eval_every=20", "eval_batches=2",
@@ -52,8 +52,9 @@ def checkpoints(run_dir):
 def wandb_histories(run_dir):
     """{offline-run dir name: [history steps]} read from the runs' .wandb files (LevelDB-style log of protobufs)."""
     histories = {}
-    for path in sorted(glob.glob(str(Path(run_dir) / "wandb" / "offline-run-*" / "*.wandb"))):
-        records = wandb_records(path)
+    paths = sorted(glob.glob(str(Path(run_dir) / "wandb" / "offline-run-*" / "*.wandb")))
+    for path in paths:  # only the last attempt finished; the ones before were killed
+        records = finished_run_records(path) if path == paths[-1] else wandb_records(path)
         steps = [r.history.step.num for r in records if r.WhichOneof("record_type") == "history"]
         histories[Path(path).parent.name] = steps
     return histories

@@ -12,7 +12,7 @@ from conftest import tiny_config
 from normlab import keys
 from normlab.sinks import WandbUnavailable
 from normlab.train import train
-from wandb_log import wandb_records
+from wandb_log import finished_run_records
 
 
 class OfflineRun:
@@ -21,13 +21,7 @@ class OfflineRun:
     def __init__(self, run_dir):
         files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
         assert len(files) == 1, files
-        # wandb's service process may still be writing the file when finish() returns: wait for the exit record
-        # (up to 30 s: the suite's parallel workers can slow the service down).
-        for _ in range(300):
-            self.records = wandb_records(files[0])
-            if self.of("exit"):
-                break
-            time.sleep(0.1)
+        self.records = finished_run_records(files[0])
 
     def of(self, kind: str) -> list:
         return [getattr(r, kind) for r in self.records if r.WhichOneof("record_type") == kind]

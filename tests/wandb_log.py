@@ -1,6 +1,7 @@
 """Reads the records of an offline wandb run's .wandb file, which wandb's service may still be writing."""
 
 import struct
+import time
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -44,3 +45,15 @@ def wandb_records(path) -> list:
             records.append(record)
             pending = b""
     return records
+
+
+def finished_run_records(path, timeout: float = 30.0) -> list:
+    """The records of a run that finished: read until its exit record is on disk. wandb's service process
+    may still be writing the file when the run's finish() (or its process) has returned; up to `timeout`
+    seconds, since the suite's parallel workers can slow the service down."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)

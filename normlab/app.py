@@ -354,7 +354,7 @@ def run_train(argv: list[str]) -> int:
             by_job=by_job,
         )
         check_jobs(args.overrides, config_dirs, args.multirun, composed=by_job if args.config_name in (None, "config") else None)
-        machine.check_machine(composed, args.multirun, local=not _on_cluster(args.overrides), units=pack_groups)
+        machine.check_machine(composed, args.multirun, local=not _on_cluster(args.overrides), units_of=pack_groups)
     except ConfigError as err:
         return _fail(err)
     except Exception as err:  # Hydra's override grammar: one line is enough

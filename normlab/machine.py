@@ -132,11 +132,11 @@ def check_output_dir(path: str, key: str) -> None:
         raise ConfigError(f"{key}={path}: cannot create the run dir there: {reason}: choose another with {key}=DIR") from None
 
 
-def check_machine(composed: list, multirun: bool, local: bool, units=None) -> None:
+def check_machine(composed: list, multirun: bool, local: bool, units_of=None) -> None:
     """Check the composed jobs (Hydra configs, hydra node included) against this machine: the run dir
     (the sweep dir in a multirun) can be made; and when the jobs run here (`local`, not on a cluster
     through a launcher), the device exists (a sweep's job on a missing device fails alone, when it runs)
-    and each run's memory estimate fits, a pack's members' together. `units(cfgs)`: the runs of `cfgs`
+    and each run's memory estimate fits, a pack's members' together. `units_of(cfgs)`: the runs of `cfgs`
     (RunConfigs) that train together, as lists of positions (normlab.app.pack_groups); None: each alone."""
     from omegaconf import OmegaConf, open_dict
 
@@ -160,7 +160,7 @@ def check_machine(composed: list, multirun: bool, local: bool, units=None) -> No
             continue  # in a sweep, that job fails alone and the sweep goes on, as any failing job does
         resolved = check_device(device)
         here = [cfg for cfg in cfgs if cfg.device == device]
-        check_memory(here, resolved, units(here) if units and multirun else None)
+        check_memory(here, resolved, units_of(here) if units_of and multirun else None)
 
 
 def _has_cuda() -> bool:

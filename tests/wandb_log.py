@@ -4,7 +4,6 @@ import struct
 import time
 from pathlib import Path
 
-from google.protobuf.message import DecodeError
 from wandb.proto import wandb_internal_pb2 as pb
 
 BLOCK = 32768  # the .wandb file is a LevelDB-style log: 32 KiB blocks of (crc, length, type, data) chunks
@@ -36,12 +35,7 @@ def wandb_records(path) -> list:
         pos += HEADER + length
         if kind in (FULL, LAST):
             record = pb.Record()
-            try:
-                record.ParseFromString(pending)
-            except DecodeError:
-                if pos < len(data):
-                    raise  # a bad record in the middle of the file is corruption, not a torn tail
-                break
+            record.ParseFromString(pending)  # a whole record that does not parse is corruption: it raises
             records.append(record)
             pending = b""
     return records

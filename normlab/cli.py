@@ -36,25 +36,25 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0
     if argv[0] in ("--version", "-V"):
-        from . import __version__
+        from normlab import __version__
 
         print(f"normlab {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
     if command in ("-sc", "--shell-completion"):  # what the installed tab completion asks
-        from .app import run_train
+        from normlab.launch.app import run_train
 
         return run_train(argv)
     if command == "train":
-        from .app import run_train
+        from normlab.launch.app import run_train
 
         return run_train(rest)
     if command == "compare":
-        from .compare import main as run_compare
+        from normlab.analysis.compare import main as run_compare
 
         return run_compare(rest)
     if command == "sample":
-        from .sample import main as run_sample
+        from normlab.sample import main as run_sample
 
         return run_sample(rest)
     print(f"normlab: error: unknown command {command!r}: choose one of train, compare, sample", file=sys.stderr)

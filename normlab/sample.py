@@ -61,8 +61,8 @@ def sample_text(path: str, prompt: str, n_tokens: int, temperature: float, top_k
     """The prompt followed by `n_tokens` sampled tokens, decoded. Raises SampleError for an unusable path."""
     import torch
 
-    from .checkpoint import Checkpoint, CheckpointError, find_checkpoint, run_dir_of
-    from .data import DataError
+    from normlab.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, run_dir_of
+    from normlab.data import DataError
 
     try:
         checkpoint = Checkpoint.load(find_checkpoint(path))
@@ -84,7 +84,7 @@ def sample_text(path: str, prompt: str, n_tokens: int, temperature: float, top_k
 
 def saved_config(payload: Mapping[str, Any]):
     """The RunConfig a checkpoint was written with (its `config` holds the flattened dotted keys)."""
-    from .config import ConfigError, RunConfig
+    from normlab.config import ConfigError, RunConfig
 
     tree: dict[str, Any] = {}
     for dotted, value in payload["config"].items():
@@ -108,8 +108,8 @@ def model_state(payload: Mapping[str, Any]) -> dict:
 
 
 def _run_tokenizer(run_dir: Path | None, cfg):
-    from .data import load_tokenizer
-    from .tokenizer import TokenizerError, from_file
+    from normlab.data import load_tokenizer
+    from normlab.data.tokenizer import TokenizerError, from_file
 
     saved = run_dir / "tokenizer.json" if run_dir is not None else None
     if saved is not None and saved.is_file() and cfg.tokenizer.kind != "byte":
@@ -121,7 +121,7 @@ def _run_tokenizer(run_dir: Path | None, cfg):
 
 
 def _load_model(cfg, state: Mapping[str, Any], device):
-    from .model import GPT
+    from normlab.nn.model import GPT
 
     # The embedding's rows are the model's vocabulary, whatever model.vocab_size said (null: the tokenizer's).
     cfg.model.vocab_size = int(state["tok_emb.weight"].shape[0])

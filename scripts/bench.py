@@ -6,14 +6,14 @@
 OVERRIDEs are normlab's Hydra overrides (`norm=rms depth=6 batch_size=16`); the config is composed
 as `normlab train` composes it. Every variant runs in a fresh subprocess (so each has its own peak
 RSS and a cold start), the variants run interleaved round after round, and each figure is a median
-over all timed windows of all rounds. A normlab variant is a real `normlab.train.train` run (the
+over all timed windows of all rounds. A normlab variant is a real `normlab.train.run.train` run (the
 loop with its guard, schedule, telemetry check, checkpoint cadence, metrics.jsonl and progress
 bar); a window is `log_every` steps between two logged steps, and the first window (warm-up,
 compilation) is not timed. The reference is a minimal GPT and loop written here: same shapes,
 pre-LN, tied head, SDPA, GELU MLP, AdamW with gradient clipping, the same data windows, and the
 same optimizer settings and learning-rate schedule as the normlab run.
 `ref fp32 + normlab malloc` is that reference after the host allocator setting normlab's train()
-makes (normlab.train.configure_host_allocator), to separate the loops from the allocator.
+makes (normlab.train.run.configure_host_allocator), to separate the loops from the allocator.
 
 Printed: tokens/s; model FLOP/s and MFU, with model FLOPs per token = 6·N + 12·L·d·T (N: the
 weights of the matmuls, i.e. the blocks' linear layers and the head; L blocks, width d, sequence T;
@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from normlab.flops import model_flops_per_token  # noqa: E402
+from normlab.nn.flops import model_flops_per_token  # noqa: E402
 
 
 def minor_faults() -> int:
@@ -116,7 +116,7 @@ def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device
     follow comparable trajectories: step times depend a little on the values computed (bf16 steps
     on weights still in warmup ran a few percent slower than at full lr from step 0)."""
     from normlab.data import load_corpus, sample_batch
-    from normlab.train import lr_at
+    from normlab.train.run import lr_at
 
     torch.manual_seed(cfg.seed)
     model = build(cfg).to(device)  # `build`: the model the loop trains, from the config
@@ -184,8 +184,8 @@ def normlab_max_steps(steps_per_window: int, windows: int) -> int:
 
 
 def run_normlab(cfg, windows: int) -> dict[str, Any]:
-    from normlab.sinks import MetricsFile, RunDir
-    from normlab.train import train
+    from normlab.train.sinks import MetricsFile, RunDir
+    from normlab.train.run import train
 
     k = cfg.log_every
     cfg.max_steps = normlab_max_steps(k, windows)
@@ -223,7 +223,7 @@ def norm_cost(cfg, norm: str, device: torch.device, repeats: int = 50) -> float:
     """Seconds for the forward and backward of all the model's norms (2 per block and the final one),
     as normlab builds them, at the step's activation shape."""
     from normlab.config import NormConfig
-    from normlab.norms import build_norm
+    from normlab.nn.norms import build_norm
 
     modules = [build_norm(NormConfig(name=norm), cfg.model.d_model).to(device) for _ in range(2 * cfg.depth + 1)]
     x = torch.randn(cfg.batch_size, cfg.seq_len, cfg.model.d_model, device=device, requires_grad=True)
@@ -240,13 +240,13 @@ def norm_cost(cfg, norm: str, device: torch.device, repeats: int = 50) -> float:
 
 def loop_extras(cfg, step_s: float) -> list[tuple[str, float]]:
     """Seconds per step of each thing normlab's loop does that a minimal loop does not, timed alone."""
-    from normlab import distributed
-    from normlab.callbacks import DivergenceGuard
-    from normlab.checkpoint import Checkpointer
+    from normlab.train import distributed
+    from normlab.train.callbacks import DivergenceGuard
+    from normlab.train.checkpoint import Checkpointer
     from normlab.config import TelemetryConfig
-    from normlab.sinks import MetricsFile, RunDir
-    from normlab.telemetry import Probe
-    from normlab.train import build_state, lr_at
+    from normlab.train.sinks import MetricsFile, RunDir
+    from normlab.train.probe import Probe
+    from normlab.train.run import build_state, lr_at
 
     state = build_state(cfg, torch.device("cpu"), "fp32")
     model, optimizer = state.model, state.optimizer
@@ -307,7 +307,7 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_module
     from omegaconf import OmegaConf
 
-    import normlab.app  # noqa: F401  (registers the config's resolvers)
+    import normlab.launch.app  # noqa: F401  (registers the config's resolvers)
     from normlab.config import RunConfig
 
     with initialize_config_module(config_module="normlab.conf", version_base="1.3"):
@@ -351,7 +351,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     result_peak = {p: peak_matmul_flops(dt, device, spec["peak_size"])
                    for p, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     if loop == "ref-malloc":  # the reference with the host allocator setting normlab's train() makes
-        from normlab.train import configure_host_allocator
+        from normlab.train.run import configure_host_allocator
 
         configure_host_allocator()
     if loop.startswith("ref"):

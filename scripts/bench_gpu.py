@@ -12,7 +12,7 @@ variants run interleaved, round after round, in this one process:
   trains: bf16 autocast, fused AdamW, clipping at 1.0, pinned non-blocking batch copies, a host sync
   every `--every` steps; compiled with torch.compile, and with mode="reduce-overhead" (CUDA graphs).
 - `normlab eager|compile|cudagraph`, each with telemetry off and at `telemetry.every=--every`: a real
-  `normlab.train.train` run (compile=true, compile_mode=reduce-overhead for cudagraph), logging every
+  `normlab.train.run.train` run (compile=true, compile_mode=reduce-overhead for cudagraph), logging every
   `--every` steps, so each timed window holds one telemetry step when telemetry is on.
 - with `--deterministic`, also `normlab eager|compile deterministic`: the same runs with
   deterministic=true (torch's deterministic kernels, cuBLAS's fixed workspace), so their cost is
@@ -22,7 +22,7 @@ variants run interleaved, round after round, in this one process:
 A window is `--every` steps between two host syncs; the first window (warm-up, compilation, graph
 capture) is not timed; every figure is the median over all timed windows of all rounds. Printed:
 ms/step, tokens/s, MFU against the bf16 matmul peak measured here (an n×n @ n×n matmul, --peak-size)
-and against the device's dense bf16 spec (normlab.flops.PEAK_TFLOPS), peak memory
+and against the device's dense bf16 spec (normlab.nn.flops.PEAK_TFLOPS), peak memory
 (torch.cuda.max_memory_allocated), and the ratio of tokens/s to the reference with the same capture.
 Without a CUDA device it prints one line and exits 0. `--cpu` runs it all on the CPU instead, where
 its figures mean nothing: a check of the script itself (tests/test_scripts.py), with the `tiny` shape.
@@ -64,7 +64,7 @@ def reference_step_times(cfg, every: int, windows: int, device: torch.device, ca
     """Seconds per step of each timed window of the reference loop (the first window is warm-up)."""
     import bench
     from normlab.data import load_corpus, sample_batch
-    from normlab.train import lr_at
+    from normlab.train.run import lr_at
 
     torch.manual_seed(cfg.seed)
     model = bench.reference_gpt(cfg).to(device)
@@ -133,7 +133,7 @@ def run_variant(name: str, overrides: list[str], args, device: torch.device) -> 
 
 
 def report(shape: str, results: dict[str, dict[str, Any]], measured_peak: float, spec_peak: float | None) -> None:
-    from normlab.flops import model_flops_per_token
+    from normlab.nn.flops import model_flops_per_token
 
     cfg = next(iter(results.values()))["cfg"]
     flops = model_flops_per_token(cfg)
@@ -173,14 +173,14 @@ def main() -> int:
         print("bench_gpu: no CUDA device: nothing to measure")
         return 0
     if args.deterministic:
-        from normlab.train import CUBLAS_DETERMINISTIC
+        from normlab.train.run import CUBLAS_DETERMINISTIC
 
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]  # before the first matmul: read once
         print(f"--deterministic: CUBLAS_WORKSPACE_CONFIG={CUBLAS_DETERMINISTIC[0]} for every variant, so the cost "
               "printed for deterministic=true leaves out that of the workspace setting")
 
     import bench
-    from normlab.flops import peak_flops
+    from normlab.nn.flops import peak_flops
 
     device = torch.device("cpu" if args.cpu else "cuda")
     torch.backends.cuda.matmul.allow_tf32 = True

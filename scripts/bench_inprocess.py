@@ -35,8 +35,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from normlab.model import GPT
-    from normlab.train import configure_host_allocator
+    from normlab.nn.model import GPT
+    from normlab.train.run import configure_host_allocator
 
     configure_host_allocator()
     overrides = [*args.overrides, "wandb.mode=disabled", "telemetry.every=0", "progress=false"]

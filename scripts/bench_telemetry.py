@@ -25,7 +25,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 import torch  # noqa: E402
 
 from normlab.config import RunConfig, TelemetryConfig  # noqa: E402
-from normlab.train import train  # noqa: E402
+from normlab.train.run import train  # noqa: E402
 
 import bench  # noqa: E402  (scripts/ is on sys.path when a script of it runs)
 

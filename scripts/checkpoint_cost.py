@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from normlab.callbacks import DivergenceGuard
-from normlab.checkpoint import Checkpoint, Checkpointer
+from normlab.train.callbacks import DivergenceGuard
+from normlab.train.checkpoint import Checkpoint, Checkpointer
 from normlab.config import RunConfig
-from normlab.train import build_state
+from normlab.train.run import build_state
 
 
 def build(cfg):

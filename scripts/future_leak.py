@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from normlab.config import NORMS, ConfigError, NormConfig, RunConfig
-from normlab.model import GPT
+from normlab.nn.model import GPT
 
 
 def leak(model: GPT, idx: torch.Tensor, changed: torch.Tensor, t: int, training: bool) -> float:

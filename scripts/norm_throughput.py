@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from normlab.config import NORMS, ConfigError, NormConfig, RunConfig
-from normlab.model import GPT
+from normlab.nn.model import GPT
 
 
 def tokens_per_s(cfg: RunConfig, steps: int, warmup: int = 3) -> float:

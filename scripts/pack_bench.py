@@ -6,9 +6,9 @@ weights with batched matmuls).
     python scripts/pack_bench.py --gpu           # on CUDA: the 7-lr x 3-seed grid of model=medium, 300 steps
     python scripts/pack_bench.py --lrs 1e-3,1e-2 --seeds 0 --steps 50 --model tiny [--overrides k=v ...]
 
-1. `runs`: the grid trained as `normlab.train.train` runs one after another (--sequential of them: all
+1. `runs`: the grid trained as `normlab.train.run.train` runs one after another (--sequential of them: all
    on the CPU; on the GPU a sample, scaled to the grid, since 21 medium runs take minutes), then as one
-   `normlab.pack.train_pack` pack. Both in this process with the same configs, corpus cache warm, wandb
+   `normlab.train.pack.train_pack` pack. Both in this process with the same configs, corpus cache warm, wandb
    disabled: the figures are training and evaluation alone, without a sweep's per-job start-up, which a
    packed sweep also saves. Printed: seconds per run, the pack's seconds, and the ratio.
 2. `kernels`: one training step (forward, backward) of all members, batched by vmap over
@@ -45,8 +45,8 @@ def grid_configs(args) -> list:
 
 def time_runs(cfgs, sequential: int, root: Path) -> tuple[float, float]:
     """Seconds per unpacked run (mean of the first `sequential` configs) and the pack's seconds."""
-    from normlab.pack import train_pack
-    from normlab.train import train
+    from normlab.train.pack import train_pack
+    from normlab.train.run import train
 
     started = time.perf_counter()
     for i, cfg in enumerate(cfgs[:sequential]):
@@ -112,8 +112,8 @@ class GroupedGPT:
 
 def time_kernels(cfgs, rounds: int, steps: int, device: torch.device, precision: str) -> dict[str, float]:
     """Median ms per forward+backward step of the vmap pack and the grouped GPT, interleaved rounds."""
-    from normlab.pack import build_pack
-    from normlab.train import autocast, loss_fn
+    from normlab.train.pack import build_pack
+    from normlab.train.run import autocast, loss_fn
 
     pack, _ = build_pack(cfgs, device)
     grouped = GroupedGPT(len(cfgs), cfgs[0], device)
@@ -130,7 +130,7 @@ def time_kernels(cfgs, rounds: int, steps: int, device: torch.device, precision:
             loss = grouped.loss(idx, idx)
         loss.backward()
 
-    from normlab.model import GPT
+    from normlab.nn.model import GPT
 
     singles = [GPT(cfg).to(device) for cfg in cfgs]
 
@@ -176,7 +176,7 @@ def main() -> int:
     cfgs = grid_configs(args)
     sequential = min(len(cfgs), args.sequential or (2 if args.gpu else len(cfgs)))
     device = torch.device("cuda" if args.gpu else "cpu")
-    from normlab.train import resolve_precision
+    from normlab.train.run import resolve_precision
 
     precision = resolve_precision(cfgs[0].precision, device)
     print(f"pack_bench: {len(cfgs)} runs of model={args.model} ({cfgs[0].label}), lr {args.lrs}, seeds {args.seeds}, "

@@ -16,8 +16,8 @@ import torch
 
 from normlab.cli import main
 from normlab.config import ConfigError, RunConfig, suggest_key, unknown_key_message
-from normlab import machine
-from normlab.machine import MemoryEstimate, check_memory, check_output_dir, estimate_memory
+from normlab.launch import machine
+from normlab.launch.machine import MemoryEstimate, check_memory, check_output_dir, estimate_memory
 
 
 def _installed(module: str) -> bool:
@@ -212,8 +212,8 @@ def test_saved_configs_with_an_unknown_key_still_load_without_validation():
 
 
 def test_hydras_own_keys_and_groups_and_presets_are_not_refused():
-    from normlab.app import CONFIG_MODULE
-    from normlab.overrides import check_command_line, check_composition
+    from normlab.launch.app import CONFIG_MODULE
+    from normlab.launch.overrides import check_command_line, check_composition
 
     line = ["hydra/job_logging=disabled", "hydra.job.chdir=false", "experiment=norm_grid", "norm=rms", "norm.eps=1e-6"]
     check_command_line(line, [], True, CONFIG_MODULE)

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from conftest import tiny_config
-from normlab.callbacks import Callback
+from normlab.train.callbacks import Callback
 from normlab.config import ConfigError, DataConfig, NormConfig, TelemetryConfig
-from normlab.norms import BatchNorm, CausalBatchNorm, build_norm
-from normlab.train import train
+from normlab.nn.norms import BatchNorm, CausalBatchNorm, build_norm
+from normlab.train.run import train
 
 
 

@@ -7,10 +7,11 @@ import json
 import pytest
 
 from conftest import tiny_config
-from normlab import analysis, checkpoint
-from normlab.checkpoint import Checkpoint, CheckpointError, checkpoint_path, flatten_config
+from normlab import analysis
+from normlab.train import checkpoint
+from normlab.train.checkpoint import Checkpoint, CheckpointError, checkpoint_path, flatten_config
 from normlab.config import RunConfig, bookkeeping_keys
-from normlab.train import train
+from normlab.train.run import train
 
 # What neither changes the data nor the arithmetic of training.
 BOOKKEEPING = {

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from conftest import tiny_config
-from normlab.callbacks import Callback
-from normlab.checkpoint import CheckpointError, checkpoint_path
-from normlab.train import train
+from normlab.train.callbacks import Callback
+from normlab.train.checkpoint import CheckpointError, checkpoint_path
+from normlab.train.run import train
 
 
 class HookLog(Callback):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from normlab import preempt
-from normlab.checkpoint import (
+from normlab.train import preempt
+from normlab.train.checkpoint import (
     Checkpoint,
     CheckpointError,
     checkpoint_path,
@@ -19,9 +19,9 @@ from normlab.checkpoint import (
     write_atomic,
 )
 from normlab.config import ConfigError, RunConfig
-from normlab.model import GPT
-from normlab.sinks import MetricsFile, RunDir, Sink
-from normlab.train import build_state, train
+from normlab.nn.model import GPT
+from normlab.train.sinks import MetricsFile, RunDir, Sink
+from normlab.train.run import build_state, train
 
 TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step")
 

@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from conftest import tiny_config
-from normlab.app import register_resolvers, sweep_jobs
+from normlab.launch.app import register_resolvers, sweep_jobs
 from normlab.cli import main
 from normlab.config import ConfigError, NormConfig, RunConfig
 

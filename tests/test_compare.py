@@ -14,7 +14,7 @@ import yaml
 
 from normlab import cli
 from normlab.analysis import build_comparison, find_run_dirs, load_run, lr_sensitivity
-from normlab.compare import compare
+from normlab.analysis.compare import compare
 from normlab.config import RunConfig, format_lr
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -306,7 +306,7 @@ def test_config_json_is_read_and_hydras_config_only_without_it(tmp_path):
 
 def test_runs_trained_from_python_are_compared_by_their_config_json(tmp_path):
     from conftest import tiny_config
-    from normlab.train import train
+    from normlab.train.run import train
 
     summaries = {}
     for lr, every in ((1e-3, 2), (3e-3, 4)):  # ckpt.every differs too: bookkeeping, one arm
@@ -440,7 +440,7 @@ def test_bad_paths_give_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args,
 def test_normlab_help_and_compare_do_not_import_torch_or_wandb():
     code = (
         "import sys, normlab.cli; normlab.cli.main(['--help']); heavy = {'torch', 'wandb', 'matplotlib'} & set(sys.modules); "
-        "import normlab.analysis, normlab.compare, normlab.report, normlab.plots; "
+        "import normlab.analysis, normlab.analysis.compare, normlab.analysis.report, normlab.analysis.plots; "
         "print(sorted(heavy), sorted({'torch', 'wandb'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

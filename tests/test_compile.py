@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from normlab.checkpoint import Checkpoint, checkpoint_path
+from normlab.train.checkpoint import Checkpoint, checkpoint_path
 from normlab.config import CkptConfig, TelemetryConfig
-from normlab.model import GPT
-from normlab.train import train
+from normlab.nn.model import GPT
+from normlab.train.run import train
 
 
 def _run(tmp_path, name, **overrides):

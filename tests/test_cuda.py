@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from normlab.checkpoint import checkpoint_path
+from normlab.train.checkpoint import checkpoint_path
 from normlab.config import CkptConfig, TelemetryConfig
-from normlab.train import train
+from normlab.train.run import train
 
 # One worker of pytest-xdist runs them all, so the GPU is not shared between workers.
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), pytest.mark.xdist_group("cuda")]
@@ -117,7 +117,7 @@ def test_a_sweeps_jobs_give_their_gpu_memory_back(tmp_path):
 
 
 def test_a_pack_on_the_gpu_equals_its_unpacked_runs(tmp_path, exact_fp32):
-    from normlab.pack import train_pack
+    from normlab.train.pack import train_pack
 
     cfgs = [cuda_config(precision="fp32", tf32=False, lr=lr, seed=seed) for lr in (1e-3, 1e-2) for seed in (0, 1)]
     for i, cfg in enumerate(cfgs):
@@ -134,7 +134,7 @@ def test_a_pack_on_the_gpu_equals_its_unpacked_runs(tmp_path, exact_fp32):
 
 
 def test_a_bf16_pack_trains_on_the_gpu(tmp_path):
-    from normlab.pack import train_pack
+    from normlab.train.pack import train_pack
 
     cfgs = [cuda_config(precision="bf16", lr=lr) for lr in (1e-3, 3e-3, 1e-2)]
     summaries = train_pack([(cfg, tmp_path / f"member{i}") for i, cfg in enumerate(cfgs)])

@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 
 from conftest import tiny_config
 from normlab.config import RunConfig
-from normlab.norms import BatchNorm
-from normlab.train import train
+from normlab.nn.norms import BatchNorm
+from normlab.train.run import train
 
 WORLD = 2
 STEPS = 4
@@ -72,8 +72,8 @@ def _worker(rank, port, out, cache):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    import normlab.train as loop
-    from normlab import distributed
+    import normlab.train.run as loop
+    from normlab.train import distributed
 
     assert distributed.init_from_env()
     results = {}
@@ -211,7 +211,7 @@ def test_the_real_command_started_rank_by_rank_shares_one_run_dir(tmp_path):
 def test_joining_the_group_leaves_cuda_alone_until_the_run_is_on_cuda(monkeypatch):
     """On a host with CUDA, `torchrun ... device=cpu` must not pick a GPU per rank (1 GPU, 2 ranks:
     "invalid device ordinal"); a CUDA run drives the GPU of its LOCAL_RANK."""
-    from normlab import distributed
+    from normlab.train import distributed
 
     backends, devices = [], []
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from normlab import preempt
-from normlab.callbacks import Callback
-from normlab.checkpoint import Checkpoint, CheckpointError, checkpoint_path, list_checkpoints
+from normlab.train import preempt
+from normlab.train.callbacks import Callback
+from normlab.train.checkpoint import Checkpoint, CheckpointError, checkpoint_path, list_checkpoints
 from normlab.cli import main
-from normlab.sinks import MetricsFile, RunDir, RunDirBusy, Sink
-from normlab.train import train
+from normlab.train.sinks import MetricsFile, RunDir, RunDirBusy, Sink
+from normlab.train.run import train
 
 RUN = ["model=tiny", "batch_size=4", "seq_len=16", "max_steps=10", "eval_every=5", "eval_batches=2",
        "log_every=1", "ckpt.every=5", "ckpt.keep=3", "progress=false", "wandb.mode=disabled"]
@@ -131,8 +131,8 @@ def test_train_refuses_a_checkpoint_lacking_a_piece_before_touching_the_run_dir(
 
 def _tiny_cli_config(**overrides):
     """The RunConfig `normlab train *RUN` composes."""
-    import normlab.app  # noqa: F401  (registers the resolvers the packaged config uses)
-    from normlab.rundir import compose_run
+    import normlab.launch.app  # noqa: F401  (registers the resolvers the packaged config uses)
+    from normlab.launch.rundir import compose_run
 
     cfg, _ = compose_run([*RUN, *[f"{k}={v}" for k, v in overrides.items()]], [], "normlab.conf")
     return cfg
@@ -185,7 +185,7 @@ def test_the_same_configs_killed_run_restarts(killed_before_a_checkpoint):
 
 # §1 Two runs in one run dir -----------------------------------------------------------------------------
 
-HOLD = "import sys, time; from normlab.sinks import RunDir\nwith RunDir(sys.argv[1]).lock():\n    print('held', flush=True); time.sleep(600)"
+HOLD = "import sys, time; from normlab.train.sinks import RunDir\nwith RunDir(sys.argv[1]).lock():\n    print('held', flush=True); time.sleep(600)"
 
 
 def test_a_second_run_in_a_locked_run_dir_gets_one_line_and_changes_nothing(run_copy, monkeypatch, capsys):
@@ -471,7 +471,7 @@ def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_pat
 
 @pytest.mark.usefixtures("one_thread")
 def test_a_signal_during_an_evaluation_stops_before_the_next_step_and_resumes_exactly(tmp_path, monkeypatch):
-    import normlab.train as loop
+    import normlab.train.run as loop
 
     whole = train(_disk_cfg(), tmp_path / "whole")
     evaluate, calls = loop.evaluate, []

@@ -7,8 +7,8 @@ from multiprocessing import get_context
 
 import pytest
 
-import hydra_plugins.normlab_launcher.normlab_launcher as launcher
-from hydra_plugins.normlab_launcher.normlab_launcher import plan_slots, threads_per_job, visible_gpus
+import normlab.launch.launcher as launcher
+from normlab.launch.launcher import plan_slots, threads_per_job, visible_gpus
 from test_cli import TINY, normlab, run_dirs
 
 
@@ -84,7 +84,7 @@ def test_two_jobs_at_once_on_the_cpu_equal_the_sequential_sweep(tmp_path):
 def test_composed_once_hands_the_validated_config_to_the_launch_once_and_keeps_nothing_after():
     from omegaconf import OmegaConf
 
-    from hydra_plugins.normlab_launcher.normlab_launcher import ComposedOnce
+    from normlab.launch.launcher import ComposedOnce
 
     composed = []
 

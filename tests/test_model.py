@@ -8,8 +8,8 @@ from torch import nn
 
 from conftest import tiny_config
 from normlab.config import NORMS, PLACEMENTS, ConfigError, NormConfig
-from normlab.model import GPT, block_slots, deepnorm_alpha, deepnorm_beta, has_final_norm, mix_post_blocks
-from normlab.norms import CausalBatchNorm, DyT, L2Norm, LayerNorm, RMSNorm, ScaleNorm
+from normlab.nn.model import GPT, block_slots, deepnorm_alpha, deepnorm_beta, has_final_norm, mix_post_blocks
+from normlab.nn.norms import CausalBatchNorm, DyT, L2Norm, LayerNorm, RMSNorm, ScaleNorm
 
 # Every norm, with BatchNorm's causal option as one more.
 NORM_ARMS = [*NORMS, "batch_causal"]

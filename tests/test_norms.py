@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from normlab.config import NormConfig
-from normlab.norms import BatchNorm, CausalBatchNorm, DyT, L2Norm, LayerNorm, RMSNorm, ScaleNorm, build_norm, is_norm
+from normlab.nn.norms import BatchNorm, CausalBatchNorm, DyT, L2Norm, LayerNorm, RMSNorm, ScaleNorm, build_norm, is_norm
 
 
 def _randomize(module: nn.Module, gen: torch.Generator) -> None:

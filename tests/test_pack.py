@@ -1,4 +1,4 @@
-"""Packed arms (normlab.pack): every member's records equal its unpacked run's."""
+"""Packed arms (normlab.train.pack): every member's records equal its unpacked run's."""
 
 import json
 import math
@@ -9,10 +9,10 @@ import torch
 
 from conftest import tiny_config
 from normlab.config import ConfigError
-from normlab.pack import check_pack, pack_key, train_pack
-from normlab.packing import PackedAdamW, PackedModel, clip_members
-from normlab.model import GPT
-from normlab.train import train
+from normlab.train.pack import check_pack, pack_key, train_pack
+from normlab.nn.packed import PackedAdamW, PackedModel, clip_members
+from normlab.nn.model import GPT
+from normlab.train.run import train
 
 TOLERANCE = 1e-5  # relative, the issue's bound for a member against its unpacked run (fp32, CPU)
 # Telemetry of the weights after Adam's updates (update ratios, norm-parameter and attention statistics) is
@@ -232,7 +232,7 @@ def test_batchnorm_members_keep_their_own_running_statistics():
 
 
 def test_a_pack_resumed_from_its_checkpoints_continues_exactly(tmp_path, one_thread, monkeypatch):
-    from normlab import preempt
+    from normlab.train import preempt
 
     cfgs = grid("batch", "post", lrs=(1e-3, 3e-3), seeds=(0, 1))
     for cfg in cfgs:

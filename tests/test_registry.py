@@ -10,7 +10,7 @@ import yaml
 from torch import nn
 
 from conftest import tiny_config
-from normlab import telemetry
+from normlab.train import probe
 from normlab.config import (
     ALPHA_PARAMS,
     GAIN_PARAMS,
@@ -23,10 +23,10 @@ from normlab.config import (
     NormTraits,
     RunConfig,
 )
-from normlab.app import check_jobs
+from normlab.launch.app import check_jobs
 from normlab.cli import main
-from normlab.model import GPT, block_slots
-from normlab.norms import NORM_CLASSES, Norm, build_norm, is_norm, needs_ddp_sync
+from normlab.nn.model import GPT, block_slots
+from normlab.nn.norms import NORM_CLASSES, Norm, build_norm, is_norm, needs_ddp_sync
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -77,8 +77,8 @@ def test_a_norms_parameters_are_the_gains_and_alphas_its_row_names(name):
 def test_the_derived_lists():
     assert NORMS == ("none", "layer", "rms", "batch", "dyt", "scale", "l2")
     assert PLACEMENTS == ("pre", "post", "sandwich", "deepnorm", "mix")
-    assert GAIN_PARAMS == ("weight", "g") and telemetry.GAIN_PARAMS is GAIN_PARAMS
-    assert telemetry.ALPHA_PARAM == "alpha"
+    assert GAIN_PARAMS == ("weight", "g") and probe.GAIN_PARAMS is GAIN_PARAMS
+    assert probe.ALPHA_PARAM == "alpha"
     assert [n for n in NORMS if not NORM_TRAITS[n].per_token] == ["batch"]
     bn, causal = (build_norm(NormConfig(name="batch", causal=c), 8, positions=4) for c in (False, True))
     ln = build_norm(NormConfig(name="layer"), 8)

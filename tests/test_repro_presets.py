@@ -4,7 +4,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf, open_dict
 
-from normlab.app import check_jobs, register_resolvers, sweep_jobs
+from normlab.launch.app import check_jobs, register_resolvers, sweep_jobs
 from normlab.config import RunConfig
 
 

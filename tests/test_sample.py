@@ -77,7 +77,7 @@ def test_generate_conditions_on_at_most_the_context():
     import torch
 
     from normlab.config import RunConfig
-    from normlab.model import GPT
+    from normlab.nn.model import GPT
 
     torch.manual_seed(0)
     model = GPT(RunConfig(depth=1, model=ModelConfig(d_model=16, n_head=2, context=8, vocab_size=256))).eval()
@@ -102,10 +102,10 @@ def test_sample_decodes_with_the_runs_bpe(tmp_path, capsys):
     """A checkpoint of a BPE run (written by hand here): the sample is decoded with the same BPE, found in the cache."""
     import torch
 
-    from normlab import checkpoint
+    from normlab.train import checkpoint
     from normlab.config import DataConfig, RunConfig, TokenizerConfig
     from normlab.data import load_corpus
-    from normlab.model import GPT
+    from normlab.nn.model import GPT
 
     text = tmp_path / "code.txt"
     text.write_text("def square(x):\n    return x * x\n" * 300, encoding="utf-8")

@@ -6,10 +6,10 @@ import json
 import pytest
 
 from conftest import tiny_config
-from normlab.checkpoint import checkpoint_path
+from normlab.train.checkpoint import checkpoint_path
 from normlab.config import ConfigError, RunConfig
-from normlab.sinks import SINKS, MetricsCsv
-from normlab.train import train
+from normlab.train.sinks import SINKS, MetricsCsv
+from normlab.train.run import train
 
 
 def _cfg(sinks, **overrides):
@@ -76,3 +76,9 @@ def test_an_unknown_sink_is_a_one_line_config_error_naming_the_choices():
 
 def test_the_default_sinks_are_jsonl_and_wandb():
     assert RunConfig().sinks == ["jsonl", "wandb"]
+
+
+def test_the_registry_names_exactly_the_sinks_that_can_be_built():
+    from normlab.config import SINK_NAMES
+
+    assert tuple(SINKS) == SINK_NAMES

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from normlab.checkpoint import list_checkpoints
-from normlab import slurm
-from normlab.slurm import refusal_message, refusal_reason
+from normlab.train.checkpoint import list_checkpoints
+from normlab.launch import slurm
+from normlab.launch.slurm import refusal_message, refusal_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "slurm_cluster.sh"

@@ -8,8 +8,8 @@ import torch
 
 from conftest import tiny_config
 from normlab.config import ConfigError
-from normlab.flops import PEAK_TFLOPS, model_flops_per_token, peak_flops
-from normlab.train import train
+from normlab.nn.flops import PEAK_TFLOPS, model_flops_per_token, peak_flops
+from normlab.train.run import train
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_an_unknown_compile_mode_is_refused():
 def test_the_clock_leaves_the_first_step_and_compilation_out_of_the_steady_rate(monkeypatch):
     from types import SimpleNamespace
 
-    import normlab.callbacks as callbacks
+    import normlab.train.callbacks as callbacks
 
     # Step 0 is watched (eager, first in the process), step 1 the first compiled one, then steady steps.
     durations, watched = [3.0, 10.0, 0.5, 0.5, 0.5], [True, False, False, False, True]

@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_config
 from test_cli import TINY, normlab, run_dirs
-from normlab.train import train
+from normlab.train.run import train
 
 # device=cuda is the failing job: it fails only where torch sees no CUDA.
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="device=cuda fails only without CUDA")
@@ -86,7 +86,7 @@ def test_fail_fast_stops_the_sweep(tmp_path):
 def test_a_nan_loss_stops_the_run_at_its_step(tmp_path, monkeypatch):
     cfg = tiny_config("layer", max_steps=8, log_every=3, eval_every=0)
     cfg.wandb.mode = "disabled"
-    import normlab.train as loop
+    import normlab.train.run as loop
 
     real = loop.accumulate_gradients
     calls = []
@@ -110,7 +110,7 @@ def test_the_job_returns_its_final_val_loss(tmp_path, monkeypatch):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict, read_write
 
-    from normlab.app import _task, register_resolvers
+    from normlab.launch.app import _task, register_resolvers
 
     register_resolvers()
     monkeypatch.chdir(tmp_path)
@@ -134,7 +134,7 @@ def test_the_job_returns_its_final_val_loss(tmp_path, monkeypatch):
 def test_experiment_presets_compose_to_their_sweeps():
     from hydra import compose, initialize_config_module
 
-    from normlab.app import register_resolvers
+    from normlab.launch.app import register_resolvers
 
     register_resolvers()
     with initialize_config_module("normlab.conf", version_base="1.3"):
@@ -150,7 +150,7 @@ def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_the_first_free
     import gc
     import weakref
 
-    from normlab.app import settle_garbage
+    from normlab.launch.app import settle_garbage
 
     class Node:
         pass

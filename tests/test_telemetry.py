@@ -10,11 +10,11 @@ from torch import nn
 from conftest import VALID_ARMS, tiny_config
 from normlab.config import ConfigError, DataConfig, RunConfig, TelemetryConfig
 from normlab.data import load_corpus, sample_batch
-from normlab.model import GPT
-from normlab.sinks import MetricsFile, RunDir
+from normlab.nn.model import GPT
+from normlab.train.sinks import MetricsFile, RunDir
 from normlab.keys import layer_label
-from normlab.telemetry import ATTN_PROBE_SEQS, Probe, attention_stats
-from normlab.train import loss_fn, lr_at, param_groups, seed_everything, train
+from normlab.train.probe import ATTN_PROBE_SEQS, Probe, attention_stats
+from normlab.train.run import loss_fn, lr_at, param_groups, seed_everything, train
 
 TELEMETRY_FAMILIES = ("act/", "grad/resid_rms/", "grad/norm/", "grad/embed", "grad/norm_f", "update_ratio/", "norm/", "attn/")
 
@@ -68,7 +68,7 @@ def test_negative_interval_is_a_one_line_config_error():
 def test_packaged_config_sets_the_schema_default():
     from hydra import compose, initialize_config_module
 
-    from normlab.app import register_resolvers
+    from normlab.launch.app import register_resolvers
 
     register_resolvers()
     with initialize_config_module(config_module="normlab.conf", version_base="1.3"):
@@ -374,8 +374,8 @@ def test_a_resumed_run_keeps_the_telemetry_history(tmp_path, text_data):
     """The end-of-run table of a run preempted and resumed covers the steps before the checkpoint too."""
     import signal
 
-    from normlab import preempt
-    from normlab.sinks import MetricsFile, RunDir
+    from normlab.train import preempt
+    from normlab.train.sinks import MetricsFile, RunDir
     from test_checkpoint import SignalAt
 
     def cfg():
@@ -399,7 +399,7 @@ def test_importing_the_probe_and_the_loop_does_not_import_matplotlib():
     import subprocess
     import sys
 
-    code = "import sys, normlab.telemetry, normlab.callbacks, normlab.train; print('matplotlib' in sys.modules)"
+    code = "import sys, normlab.train.probe, normlab.train.callbacks, normlab.train; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -453,7 +453,7 @@ def test_block_update_ratio_leaves_out_the_norm_gains():
 
 
 def test_fused_parameter_norms_equal_the_per_tensor_ones():
-    from normlab.telemetry import l2_norms
+    from normlab.train.probe import l2_norms
 
     gen = torch.Generator().manual_seed(0)
     model = GPT(tiny_config("rms", "pre"))

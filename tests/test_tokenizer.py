@@ -1,4 +1,4 @@
-"""Tests for normlab.tokenizer and the tokenizer side of normlab.data: BPE training and its cache,
+"""Tests for normlab.data.tokenizer and the tokenizer side of normlab.data: BPE training and its cache,
 pretrained tokenizers from local files and the offline hub path, byte counts and bits per byte."""
 
 import math
@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from normlab import data, tokenizer
+from normlab import data
+from normlab.data import tokenizer
 from normlab.config import ConfigError, DataConfig, ModelConfig, RunConfig, TokenizerConfig
 from normlab.data import DataError, bits_per_byte, eval_batches, load_corpus, model_vocab_size, target_bytes
-from normlab.tokenizer import ByteTokenizer, TokenizerError, from_file, train_bpe
+from normlab.data.tokenizer import ByteTokenizer, TokenizerError, from_file, train_bpe
 
 SAMPLE = "héllo wörld\n  def f(x):\n\treturn x ** 2  # ünïcödé, 日本語, emoji 🙂\n"
 

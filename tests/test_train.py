@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from normlab.model import GPT
-from normlab.train import accumulate_gradients, autocast, lr_at, param_groups, train
+from normlab.nn.model import GPT
+from normlab.train.run import accumulate_gradients, autocast, lr_at, param_groups, train
 
 
 def _grads(cfg, grad_accum, precision="fp32"):
@@ -142,8 +142,8 @@ def test_run_files(tmp_path):
 FAULTS_PER_STEP = """
 import resource, sys, torch, torch.nn.functional as F
 from normlab.config import ModelConfig, RunConfig
-from normlab.model import GPT
-from normlab.train import configure_host_allocator
+from normlab.nn.model import GPT
+from normlab.train.run import configure_host_allocator
 torch.set_num_threads(1)
 print(configure_host_allocator())
 cfg = RunConfig(model=ModelConfig(d_model=128, n_head=4, context=128), depth=4, batch_size=16, seq_len=128)

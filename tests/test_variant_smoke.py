@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 from normlab.config import RunConfig
-from normlab.model import GPT
+from normlab.nn.model import GPT
 
 # One job per arm, together covering every new norm option, placement, and QK-norm:
 # arm -> (norm option, top-level keys, expected run label).

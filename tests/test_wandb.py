@@ -10,8 +10,8 @@ import wandb
 
 from conftest import tiny_config
 from normlab import keys
-from normlab.sinks import WandbUnavailable
-from normlab.train import train
+from normlab.train.sinks import WandbUnavailable
+from normlab.train.run import train
 from wandb_log import finished_run_records
 
 

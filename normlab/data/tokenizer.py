@@ -23,7 +23,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .config import BPE_VOCAB_RANGE
+from normlab.config import BPE_VOCAB_RANGE
 
 BYTE_VOCAB = 256
 MAX_VOCAB_UINT16 = 1 << 16

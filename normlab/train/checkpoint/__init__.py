@@ -4,7 +4,7 @@ A checkpoint is taken at a step boundary. `step` k means: k optimizer updates ar
 every metrics record of steps < k has been emitted; the resumed loop continues at step k (it
 evaluates at step k if due, trains on batch k, and logs record k). A checkpoint holds
 
-  state           the TrainState (normlab.state): model, optimizer, GradScaler, data sampler
+  state           the TrainState (normlab.train.state): model, optimizer, GradScaler, data sampler
                   (the training-batch generator), the step and the loop's counters
   callbacks       callback name -> that callback's state_dict() (divergence guard, throughput
                   clock, telemetry records, ...), so a resumed run's callbacks go on as they were
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import RunConfig, bookkeeping_keys
+from normlab.config import RunConfig, bookkeeping_keys
 
 FORMAT = "normlab-checkpoint/2"
 CHECKPOINT_DIR = "checkpoints"

@@ -2,7 +2,7 @@
 
 Text: a corpus is a sequence of documents (files or dataset rows) joined with a single b"\\n"
 between consecutive documents (none before the first or after the last), optionally cut to its
-first `DataConfig.max_bytes` bytes. Tokenizers (normlab.tokenizer) turn that text into ids; the
+first `DataConfig.max_bytes` bytes. Tokenizers (normlab.data.tokenizer) turn that text into ids; the
 default byte tokenizer ("bytes-v1") is the identity on bytes, vocabulary 256.
 
 Sources (`DataConfig.source`):
@@ -31,7 +31,7 @@ key, a hash of the tokenizer, the separator and the source's identity:
 The identity is cheap to compute without reading content: for stdlib and text
 it lists each file's path, size and mtime_ns; for hf it is name, config, split,
 column and the loaded dataset's fingerprint (a stream: name, split and max_bytes).
-Other tokenizers add a BPE file (normlab.tokenizer) and `tokens-<key>.{train,val}.bin`
+Other tokenizers add a BPE file (normlab.data.tokenizer) and `tokens-<key>.{train,val}.bin`
 plus `tokens-<key>.json` holding the encoded splits. Every file is written to a
 temporary name in the same directory and moved into place with `os.replace`,
 so concurrent jobs never see half an entry; on POSIX a lock file additionally
@@ -60,8 +60,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from .config import TOKENIZERS, ConfigError, DataConfig, TokenizerConfig
-from .tokenizer import ByteTokenizer, Tokenizer, TokenizerError, pretrained, train_bpe
+from normlab.config import TOKENIZERS, ConfigError, DataConfig, TokenizerConfig
+from normlab.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, pretrained, train_bpe
 
 try:
     import fcntl

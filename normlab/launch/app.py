@@ -29,9 +29,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import machine, overrides, rundir
-from .config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob, format_lr
-from .sinks import disk_full
+from normlab.launch import machine, overrides, rundir
+from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob, format_lr
+from normlab.train.sinks import disk_full
 
 log = logging.getLogger("normlab")
 
@@ -136,7 +136,7 @@ def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = Fals
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from .checkpoint import Checkpoint, CheckpointError, find_checkpoint, run_dir_of
+    from normlab.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, run_dir_of
 
     parsed = OverridesParser.create().parse_overrides(overrides)
     check_values(parsed, config_dirs)
@@ -251,7 +251,7 @@ def check_packing(cfgs: list, plugins: dict[str, str]) -> None:
     """ConfigError (one line) unless the jobs `cfgs` (RunConfigs) that ask for pack=true can train as packs:
     in a multirun only normlab's launcher packs (another would train them unpacked, silently) and only a
     grid sweep's jobs (Hydra's basic sweeper; a search sweeper launches a trial or two at a time), and each
-    pack must be one that normlab.pack.check_pack accepts (it refuses torchrun, fp16, compile=true, ...).
+    pack must be one that normlab.train.pack.check_pack accepts (it refuses torchrun, fp16, compile=true, ...).
     `plugins` holds a multirun's launcher and sweeper (check_jobs); {} for a single run."""
     if not any(cfg.pack for cfg in cfgs):
         return
@@ -261,7 +261,7 @@ def check_packing(cfgs: list, plugins: dict[str, str]) -> None:
     if plugins and plugins["sweeper_target"] != BASIC_SWEEPER:
         raise ConfigError(f"pack=true with hydra/sweeper={plugins['sweeper']}: only a grid sweep's jobs (Hydra's basic "
                           "sweeper) are packed, a search sweeper launches its trials one batch at a time; drop pack=true")
-    from .pack import check_pack
+    from normlab.train.pack import check_pack
 
     for group in pack_groups(cfgs):
         if cfgs[group[0]].pack:
@@ -270,12 +270,12 @@ def check_packing(cfgs: list, plugins: dict[str, str]) -> None:
 
 def pack_groups(cfgs: list) -> list[list[int]]:
     """A sweep's jobs as they train, as positions in `cfgs` (RunConfigs, or None for a job whose config
-    could not be built): the jobs with pack=true grouped by normlab.pack.pack_key, and every other job
+    could not be built): the jobs with pack=true grouped by normlab.train.pack.pack_key, and every other job
     alone; groups ordered by their first job, and each group's jobs in order."""
     packed = [cfg is not None and cfg.pack for cfg in cfgs]
     if not any(packed):
         return [[i] for i in range(len(cfgs))]
-    from .pack import pack_key
+    from normlab.train.pack import pack_key
 
     groups: dict[str, list[int]] = {}
     for i, cfg in enumerate(cfgs):
@@ -328,7 +328,7 @@ def run_train(argv: list[str]) -> int:
 
     argv = [_experiment_override(arg) for arg in argv]
     if "--version" in argv:  # Hydra's own --version would print Hydra's
-        from . import __version__
+        from normlab import __version__
 
         print(f"normlab {__version__}")
         return 0
@@ -364,7 +364,7 @@ def run_train(argv: list[str]) -> int:
         if refusal:
             return _fail(refusal)
 
-    from . import distributed
+    from normlab.train import distributed
 
     if distributed.init_from_env():
         # Ranks may start seconds apart: all take rank 0's time stamp and id, hence its dirs.
@@ -374,7 +374,7 @@ def run_train(argv: list[str]) -> int:
     sys.argv = ["normlab train", *argv]
     _register_launcher()
     try:
-        # A single run's dir is locked and its resume checked before Hydra writes into it (normlab.rundir).
+        # A single run's dir is locked and its resume checked before Hydra writes into it (normlab.launch.rundir).
         guard = rundir.claim([*args.overrides, *added], config_dirs, CONFIG_MODULE)
         with guard if not args.multirun and distributed.is_main() else contextlib.nullcontext():
             _hydra_main()
@@ -424,7 +424,7 @@ def _shell_completion(argv: list[str]) -> int:
 def _slurm_preflight(overrides: list[str], config_dirs: list[str]) -> str | None:
     """For a sweep on submitit's SLURM launcher: SLURM's refusal of its settings as one line, else None
     (and submitit's repeated sacct warnings shown once)."""
-    from . import slurm
+    from normlab.launch import slurm
 
     launcher = slurm.launcher_config(CONFIG_MODULE, overrides, config_dirs)
     if launcher is None:
@@ -471,7 +471,7 @@ def _task(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from . import distributed, preempt
+    from normlab.train import distributed, preempt
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
@@ -484,10 +484,10 @@ def _task(cfg: DictConfig) -> float:
     except ConfigError as err:
         return _stop(err)
 
-    from .checkpoint import CheckpointError
-    from .data import DataError
-    from .sinks import RunDirBusy, WandbUnavailable
-    from .train import run_name, train
+    from normlab.train.checkpoint import CheckpointError
+    from normlab.data import DataError
+    from normlab.train.sinks import RunDirBusy, WandbUnavailable
+    from normlab.train.run import run_name, train
 
     name, output_dir = run_name(run_cfg), hc.runtime.output_dir
     ended = ended_loss(run_cfg, output_dir)
@@ -533,7 +533,7 @@ def job_config(cfg: DictConfig) -> RunConfig:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from . import distributed
+    from normlab.train import distributed
 
     hc = HydraConfig.get()
     run_cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
@@ -547,8 +547,8 @@ def job_config(cfg: DictConfig) -> RunConfig:
 def ended_loss(run_cfg: RunConfig, output_dir: str) -> float | None:
     """For a job whose run already ended in `output_dir` with this config (checkpoint.ended_run): one line
     on stderr saying it is not trained again, and its final validation loss (NaN if it has none); else None."""
-    from .checkpoint import ended_run
-    from .train import run_name
+    from normlab.train.checkpoint import ended_run
+    from normlab.train.run import run_name
 
     ended = ended_run(run_cfg, output_dir)
     if ended is None:
@@ -588,13 +588,13 @@ def pack_member(cfg: DictConfig) -> PackMember:
 
 
 def train_members(members: list[PackMember]) -> None:
-    """Train the `members` whose runs have not ended as one pack (normlab.pack.train_pack), and give each
+    """Train the `members` whose runs have not ended as one pack (normlab.train.pack.train_pack), and give each
     its summary, or the error that stopped the pack. A preemption stops the pack as it stops a job (`_task`)."""
-    from . import preempt
-    from .pack import train_pack
-    from .sinks import RunDirBusy
-    from .sweep import read_summary
-    from .train import run_name
+    from normlab.train import preempt
+    from normlab.train.pack import train_pack
+    from normlab.train.sinks import RunDirBusy
+    from normlab.launch.sweep_log import read_summary
+    from normlab.train.run import run_name
 
     training = [m for m in members if m.ended is None]
     if not training:
@@ -662,7 +662,7 @@ def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:
     a single run exits 1."""
     from hydra.types import RunMode
 
-    from .train import run_name
+    from normlab.train.run import run_name
 
     if not recorded:
         rundir.record_failure(hc.runtime.output_dir, run_cfg, err)

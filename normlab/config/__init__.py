@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, get_args, get_origin, get_type_hints
 
-from .sinks import SINKS
 
 INITS = ("normal", "xavier")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -29,6 +28,7 @@ WANDB_PROJECT_MAX = 128  # wandb's limits on a project name and on each tag
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 WANDB_TAG_MAX = 64
 WANDB_UNREACHABLE = ("offline", "stop")
+SINK_NAMES = ("jsonl", "csv", "wandb")  # the sinks normlab.train.sinks builds by name (its SINKS)
 RESUME_CHOICES = "choose null (start fresh), auto (the newest checkpoint in the run dir, if any) or a checkpoint path"
 
 
@@ -40,13 +40,13 @@ class ConfigError(ValueError):
 class NormTraits:
     """One norm's row in the registry: what every layer outside its module needs to know about it.
 
-    The module itself is `normlab.norms.<classes[0]>`; it is named here, not imported, so the
+    The module itself is `normlab.nn.norms.<classes[0]>`; it is named here, not imported, so the
     registry (and config validation) needs no torch.
     """
 
     title: str  # the norm's usual name in prose: 'LayerNorm'
     knobs: tuple[str, ...] = ()  # the NormConfig fields it reads; any other knob is an error
-    classes: tuple[str, ...] = ()  # its module classes in normlab.norms, the first builds it; none: nn.Identity
+    classes: tuple[str, ...] = ()  # its module classes in normlab.nn.norms, the first builds it; none: nn.Identity
     batch_statistics: bool = False  # statistics across the batch, not per token: not causal in training
     gains: tuple[str, ...] = ()  # parameters that scale its output (telemetry: norm/gain_mean, norm/gain_std)
     alphas: tuple[str, ...] = ()  # learnable input scales (telemetry: norm/alpha)
@@ -223,7 +223,7 @@ class WandbConfig:
 
 @dataclass
 class TelemetryConfig:
-    """Per-layer statistics (normlab.telemetry): at step 0, every `every` steps and at the last step."""
+    """Per-layer statistics (normlab.train.probe): at step 0, every `every` steps and at the last step."""
 
     every: int = 10  # 0 turns telemetry off
 
@@ -265,7 +265,7 @@ class RunConfig:
     diverge_factor: float = 3.0  # stop as diverged when the loss exceeds this × the initial loss; 0: only NaN/inf
     fail_fast: bool = bookkeeping(False)  # in a multirun, stop the sweep at the first failed job
     progress: bool = bookkeeping(True)
-    # multirun, normlab's launcher: jobs that differ only in lr and seed train as one packed model (normlab.pack),
+    # multirun, normlab's launcher: jobs that differ only in lr and seed train as one packed model (normlab.train.pack),
     # each member written as its own run with the rows its unpacked run would write: so it is bookkeeping.
     pack: bool = bookkeeping(False)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -275,7 +275,7 @@ class RunConfig:
     wandb: WandbConfig = bookkeeping(default_factory=WandbConfig)
     telemetry: TelemetryConfig = bookkeeping(default_factory=TelemetryConfig)
     ckpt: CkptConfig = bookkeeping(default_factory=CkptConfig)
-    sinks: list = bookkeeping(default_factory=lambda: ["jsonl", "wandb"])  # where records go (normlab.sinks.SINKS)
+    sinks: list = bookkeeping(default_factory=lambda: ["jsonl", "wandb"])  # where records go (SINK_NAMES)
     resume: str | None = bookkeeping("auto")  # null: start fresh; auto: newest checkpoint in the run dir, if any; or a path
     overwrite: bool = bookkeeping(False)  # start over in a run dir that holds a run's records, deleting them
 
@@ -339,8 +339,8 @@ class RunConfig:
         _choice("wandb.on_unreachable", self.wandb.on_unreachable, WANDB_UNREACHABLE)
         _positive("wandb.init_timeout", self.wandb.init_timeout)
         for sink in self.sinks:
-            if not isinstance(sink, str) or sink not in SINKS:
-                raise ConfigError(f"sinks={self.sinks}: unknown sink {sink!r}; choose from {', '.join(SINKS)}")
+            if not isinstance(sink, str) or sink not in SINK_NAMES:
+                raise ConfigError(f"sinks={self.sinks}: unknown sink {sink!r}; choose from {', '.join(SINK_NAMES)}")
         _positive("lr", self.lr)
         _positive("norm.eps", self.norm.eps)
         _at_least("depth", self.depth, 1)

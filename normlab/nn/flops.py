@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import RunConfig
+from normlab.config import RunConfig
 
 # Dense peak TFLOP/s by the start of torch.cuda.get_device_name's answer (after "NVIDIA "), from the
 # vendors' data sheets: (bf16/fp16 tensor cores, tf32 tensor cores, fp32 without tensor cores).

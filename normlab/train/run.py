@@ -1,10 +1,10 @@
 """The training loop: `train(cfg, run_dir)` trains one model and returns its summary.
 
 Knows nothing of Hydra. It reads a validated RunConfig, builds data, model and the TrainState
-(normlab.state), runs AdamW with warmup + cosine decay, evaluates on fixed held-out batches, and
-hands every record to the sinks the config names (normlab.sinks). The loop (`run_steps`) reads top
+(normlab.train.state), runs AdamW with warmup + cosine decay, evaluates on fixed held-out batches, and
+hands every record to the sinks the config names (normlab.train.sinks). The loop (`run_steps`) reads top
 to bottom; everything beside training (telemetry, the divergence guard, checkpoints and
-preemption, the progress bar, the throughput clock) is a callback (normlab.callbacks) with hooks
+preemption, the progress bar, the throughput clock) is a callback (normlab.train.callbacks) with hooks
 at fixed points of the step. The loop owns the run dir: it writes config.json and summary.json.
 
 Step convention: record `step` s holds what was measured at the weights after s
@@ -40,21 +40,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import distributed
-from .callbacks import BatchNormSteps
-from .callbacks import (
+from normlab.train import distributed
+from normlab.train.callbacks import BatchNormSteps
+from normlab.train.callbacks import (
     Callback, Checkpointing, DivergenceGuard, Diverged, RunReport, Telemetry, TelemetryProducts, ThroughputClock, progress,
 )
-from .checkpoint import Checkpoint, CheckpointError, Checkpointer, resolve_resume, rewind
-from .config import RunConfig
-from .data import Corpus, bits_per_byte, eval_batches, load_corpus, model_vocab_size, sample_batch, target_bytes
-from .flops import model_flops_per_token, peak_flops
-from .model import GPT
-from . import preempt
-from .preempt import Preempted
-from .sinks import RunDir, Sink, SinkContext, finish_all, open_sinks
-from .state import TrainState
-from .telemetry import Probe
+from normlab.train.checkpoint import Checkpoint, CheckpointError, Checkpointer, resolve_resume, rewind
+from normlab.config import RunConfig
+from normlab.data import Corpus, bits_per_byte, eval_batches, load_corpus, model_vocab_size, sample_batch, target_bytes
+from normlab.nn.flops import model_flops_per_token, peak_flops
+from normlab.nn.model import GPT
+from normlab.train import preempt
+from normlab.train.preempt import Preempted
+from normlab.train.sinks import RunDir, Sink, SinkContext, finish_all, open_sinks
+from normlab.train.state import TrainState
+from normlab.train.probe import Probe
 
 
 def run_name(cfg: RunConfig) -> str:

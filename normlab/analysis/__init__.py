@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from . import keys
-from .config import NORM_TRAITS, NORMS, PLACEMENTS, bookkeeping_keys, format_lr
+from normlab import keys
+from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, bookkeeping_keys, format_lr
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"

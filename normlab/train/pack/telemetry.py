@@ -17,10 +17,10 @@ from typing import Iterator
 
 import torch
 
-from .config import GAIN_PARAMS
-from .keys import layer_key
-from .packing import PackedModel, member_norms
-from .telemetry import ALPHA_PARAM, Probe
+from normlab.config import GAIN_PARAMS
+from normlab.keys import layer_key
+from normlab.nn.packed import PackedModel, member_norms
+from normlab.train.probe import ALPHA_PARAM, Probe
 
 
 class PackedProbe(Probe):

@@ -11,9 +11,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .analysis import MEASURES, Comparison, mean_std
-from .config import NORM_TRAITS, format_lr
-from .plots import Plot
+from normlab.analysis import MEASURES, Comparison, mean_std
+from normlab.config import NORM_TRAITS, format_lr
+from normlab.analysis.plots import Plot
 
 MISSING = "—"
 RUN_COLUMNS = (

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import ConfigError, RunConfig
-from .norms import needs_ddp_sync
+from normlab.config import ConfigError, RunConfig
+from normlab.nn.norms import needs_ddp_sync
 
 
 def is_active() -> bool:

@@ -3,7 +3,7 @@
 On a telemetry step the training loop runs its micro-batches inside `probe.watch()`,
 then calls `measure_gradients` (accumulated, un-scaled gradient, before clipping),
 `before_update` (just before the optimizer step) and `collect` (after it); the Telemetry
-callback (normlab.callbacks) makes those calls. On any other step the Probe has no hook
+callback (normlab.train.callbacks) makes those calls. On any other step the Probe has no hook
 registered and does nothing. The Probe measures and returns records; it keeps no history
 and draws nothing (the end-of-run table and heatmaps are made from the records).
 
@@ -33,8 +33,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .config import ALPHA_PARAMS, GAIN_PARAMS
-from .keys import layer_key, layer_label
+from normlab.config import ALPHA_PARAMS, GAIN_PARAMS
+from normlab.keys import layer_key, layer_label
 
 # Attention statistics are taken on the first sequences of the step's first micro-batch: the
 # explicit T×T score matrix is the most expensive statistic, and these sequences are the same ones

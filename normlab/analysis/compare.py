@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from .analysis import CONFIG, METRICS, SUMMARY, CompareError, build_comparison, find_run_dirs
-from .plots import write_plots
-from .report import write_report
+from normlab.analysis import CONFIG, METRICS, SUMMARY, CompareError, build_comparison, find_run_dirs
+from normlab.analysis.plots import write_plots
+from normlab.analysis.report import write_report
 
 
 def default_report_dir(paths: list[str], run_dirs: list[Path]) -> Path:

@@ -28,14 +28,15 @@ from typing import Any, Sequence
 
 import torch
 
-from . import distributed, keys
-from .checkpoint import Checkpointer
-from .config import ConfigError, RunConfig
-from .norms import StepStatistics
-from .preempt import Preempted, requested, training_started
-from .sinks import Sink
-from .state import TrainState
-from .telemetry import Probe
+from normlab.train import distributed
+from normlab import keys
+from normlab.train.checkpoint import Checkpointer
+from normlab.config import ConfigError, RunConfig
+from normlab.nn.norms import StepStatistics
+from normlab.train.preempt import Preempted, requested, training_started
+from normlab.train.sinks import Sink
+from normlab.train.state import TrainState
+from normlab.train.probe import Probe
 
 log = logging.getLogger("normlab")  # Hydra's job logging writes it to the terminal and the run dir's normlab.log
 
@@ -247,7 +248,7 @@ class TelemetryProducts(Callback):
     def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
         if summary.get("status") != "completed" or not self.records or not self.sinks:
             return
-        from .plots import layer_heatmap
+        from normlab.analysis.plots import layer_heatmap
 
         columns, rows = keys.layer_table(self.records)
         titles = {stat: title for stat, _, title in keys.LAYER_PROFILES}

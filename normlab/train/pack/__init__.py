@@ -1,6 +1,6 @@
 """Packed arms: the runs of a sweep that differ only in lr and seed, trained together as one packed model.
 
-`train_pack([(cfg, run_dir), ...])` trains every member in one process (normlab.packing: stacked
+`train_pack([(cfg, run_dir), ...])` trains every member in one process (normlab.nn.packed: stacked
 weights, batched kernels, per-member AdamW and clipping) and writes each member's run dir as
 `train.train` writes an unpacked run's: config.json, metrics.jsonl (the same rows), summary.json, the
 wandb run, the telemetry and the per-layer products. A reader cannot tell a member from a run.
@@ -35,19 +35,19 @@ from typing import Any, Sequence
 
 import torch
 
-from . import distributed, preempt
-from .callbacks import BatchNormSteps, RunReport, TelemetryProducts, ThroughputClock, progress
-from .checkpoint import Checkpoint, Checkpointer, flatten_config, resolve_resume, rewind
-from .config import ConfigError, RunConfig, bookkeeping_keys
-from .data import Corpus, load_corpus
-from .flops import model_flops_per_token, peak_flops
-from .model import GPT
-from .pack_checkpoint import OptimizerLayout, Saved, guard_state, member_checkpoint_state, restore_member
-from .pack_telemetry import PackedProbe
-from .packing import PackedAdamW, PackedModel, clip_members
-from .preempt import Preempted
-from .sinks import RunDir, Sink, SinkContext, open_sinks
-from .train import (
+from normlab.train import distributed, preempt
+from normlab.train.callbacks import BatchNormSteps, RunReport, TelemetryProducts, ThroughputClock, progress
+from normlab.train.checkpoint import Checkpoint, Checkpointer, flatten_config, resolve_resume, rewind
+from normlab.config import ConfigError, RunConfig, bookkeeping_keys
+from normlab.data import Corpus, load_corpus
+from normlab.nn.flops import model_flops_per_token, peak_flops
+from normlab.nn.model import GPT
+from normlab.train.pack.checkpoint import OptimizerLayout, Saved, guard_state, member_checkpoint_state, restore_member
+from normlab.train.pack.telemetry import PackedProbe
+from normlab.nn.packed import PackedAdamW, PackedModel, clip_members
+from normlab.train.preempt import Preempted
+from normlab.train.sinks import RunDir, Sink, SinkContext, open_sinks
+from normlab.train.run import (
     HeldOut, _record_end, autocast, batch_loader, configure_determinism, configure_host_allocator, configure_matmul,
     held_out_batches, loss_fn, lr_at, param_groups, resolve_device, resolve_precision, run_name, seed_everything,
     summary_head, with_model_vocab,

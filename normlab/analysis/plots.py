@@ -17,9 +17,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from . import keys
-from .analysis import Arm, Comparison, Run, condition_label, mean_std, order_key
-from .config import NORMS, PLACEMENTS
+from normlab import keys
+from normlab.analysis import Arm, Comparison, Run, condition_label, mean_std, order_key
+from normlab.config import NORMS, PLACEMENTS
 
 LOSS_CURVES = (("loss", "loss_train.png", "training loss"), ("val_loss", "loss_val.png", "validation loss"))
 LOSS_VS_LR = "final_val_loss_vs_lr.png"
@@ -218,7 +218,7 @@ def layer_heatmap(records, stat: str, title: str) -> bytes:
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure
 
-    from .keys import layer_label, layer_values
+    from normlab.keys import layer_label, layer_values
 
     profiles = [(record.get("step"), layer_values(record, stat)) for record in records]
     profiles = [(step, values) for step, values in profiles if values]

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import PLACEMENT_TRAITS, NormConfig, RunConfig
-from .norms import build_norm
+from normlab.config import PLACEMENT_TRAITS, NormConfig, RunConfig
+from normlab.nn.norms import build_norm
 
 
 @dataclass(frozen=True)

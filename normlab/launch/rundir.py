@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import OmegaConf, open_dict
 
-from .config import ConfigError, RunConfig
+from normlab.config import ConfigError, RunConfig
 
 
 def compose_run(overrides: list[str], config_dirs: list[str], config_module: str) -> tuple[RunConfig, Path] | None:
@@ -50,8 +50,8 @@ def compose_run(overrides: list[str], config_dirs: list[str], config_module: str
 def claim(overrides: list[str], config_dirs: list[str], config_module: str):
     """For a single run whose run dir exists: hold its lock for the duration, after checking that the
     run may start there. Raises ConfigError (one line) for what would refuse it, before Hydra writes."""
-    from .checkpoint import CheckpointError, resolve_resume
-    from .sinks import RunDir, RunDirBusy
+    from normlab.train.checkpoint import CheckpointError, resolve_resume
+    from normlab.train.sinks import RunDir, RunDirBusy
 
     if not config_dirs and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in overrides):
         yield  # the packaged config names each run's dir by its launch time and id: a new dir
@@ -61,7 +61,7 @@ def claim(overrides: list[str], config_dirs: list[str], config_module: str):
         yield  # a new run dir: nothing in it to protect
         return
     cfg, path = composed
-    from .train import check_resumable
+    from normlab.train.run import check_resumable
 
     with contextlib.ExitStack() as held:
         try:
@@ -77,8 +77,8 @@ def claim(overrides: list[str], config_dirs: list[str], config_module: str):
 def record_failure(run_dir: str | os.PathLike, cfg: RunConfig, err: BaseException) -> None:
     """summary.json of a sweep job that could not start (status failed, with the error), so the sweep's
     records say what happened to it; metrics and checkpoints stay as they were."""
-    from .sinks import RunDir
-    from .train import summary_head
+    from normlab.train.sinks import RunDir
+    from normlab.train.run import summary_head
 
     RunDir(run_dir).write_summary({**summary_head(cfg), "status": "failed", "error": f"{type(err).__name__}: {err}"})
 

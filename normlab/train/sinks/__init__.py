@@ -30,7 +30,7 @@ RESERVE_BYTES = 256 * 1024  # room kept for summary.json, so a run that fills th
 class RunDirBusy(RuntimeError):
     """Another process is writing this run dir; the message is one line."""
 
-from . import keys
+from normlab import keys
 
 log = logging.getLogger("normlab")
 

@@ -1,6 +1,6 @@
 """Checkpoints of a pack: one per member, in that member's run dir, in the format an unpacked run writes.
 
-A member's checkpoint (normlab.checkpoint, format normlab-checkpoint/2) holds its slice of the pack: its
+A member's checkpoint (normlab.train.checkpoint, format normlab-checkpoint/2) holds its slice of the pack: its
 weights and buffers under the model's state_dict keys, its AdamW moments in torch.optim.AdamW's
 state_dict layout, its data generator, its counters, and the state of the callbacks an unpacked run
 checkpoints (divergence guard, throughput clock, telemetry records). So a member resumes packed or
@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from .callbacks import DivergenceGuard, TelemetryProducts, ThroughputClock
-from .checkpoint import Checkpoint
-from .config import RunConfig
-from .packing import PackedAdamW, PackedModel
-from .train import build_state, param_groups
+from normlab.train.callbacks import DivergenceGuard, TelemetryProducts, ThroughputClock
+from normlab.train.checkpoint import Checkpoint
+from normlab.config import RunConfig
+from normlab.nn.packed import PackedAdamW, PackedModel
+from normlab.train.run import build_state, param_groups
 
 
 @dataclass

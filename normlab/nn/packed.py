@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
-from .norms import StepStatistics
+from normlab.nn.norms import StepStatistics
 
 # On the CPU torch has no batching rule for its flash-attention kernel, so vmap runs attention member by
 # member (correct, a little slower) and warns once per process; on CUDA the rules exist.
@@ -57,7 +57,7 @@ class PackedModel:
         """Each member's loss_fn(logits, targets), shape (M,). `shared`: x and y, (B, T), are the same for
         every member (held-out batches), else (M, B, T).
 
-        `watcher` (telemetry, normlab.pack_telemetry.PackedProbe) sees inside the batched call: `taps(x)`
+        `watcher` (telemetry, normlab.train.pack.telemetry.PackedProbe) sees inside the batched call: `taps(x)`
         gives tensors (M, ...) passed in per member, `begin(taps)` runs before each member's forward and
         `end()` after it, returning per-member tensors that `absorb` receives, stacked, after the call."""
         data_dims = None if shared else 0

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import NORM_TRAITS, NormConfig, norm_traits
+from normlab.config import NORM_TRAITS, NormConfig, norm_traits
 
 # Every Norm subclass by class name: the registry rows name their classes, build_norm finds them here.
 NORM_CLASSES: dict[str, type["Norm"]] = {}

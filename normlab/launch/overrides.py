@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf, open_dict
 
-from .config import NORM_TRAITS, ConfigError, check_norm_knob, schema_keys, unknown_key_message
+from normlab.config import NORM_TRAITS, ConfigError, check_norm_knob, schema_keys, unknown_key_message
 
 # Hydra plugins by the group options that need them: (the plugin's module, normlab's pip extra).
 PLUGINS = {

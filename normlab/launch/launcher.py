@@ -1,0 +1,406 @@
+"""`hydra/launcher=normlab` (conf/hydra/launcher/normlab.yaml): a sweep's jobs run several at once on each GPU, spread over every visible GPU.
+
+normlab's default launcher (conf/config.yaml). On a machine with GPUs it runs `jobs_per_gpu` jobs at
+once on each visible GPU: one worker process per slot, pinned to its GPU by CUDA_VISIBLE_DEVICES
+(slots are dealt round robin, so a sweep smaller than the slots still spreads over the GPUs), each
+worker running its slot's jobs one after another and releasing the GPU's cached memory after each.
+Without a GPU it runs `cpu_jobs` at once, by default 1: the jobs run one after another in this
+process, exactly as Hydra's basic launcher runs them (a 2-core CPU gains nothing from more).
+
+Every job is composed and run as the basic launcher runs it (same overrides, same job numbers, same
+seeds), so results equal a sequential sweep's; concurrent jobs only turn off their progress bars
+(`progress=false`), since interleaved bars are unreadable: each job says what it found in one
+line as it ends (normlab.launch.sweep_log).
+
+Packed arms (`pack=true`, normlab.train.pack): the jobs that differ only in lr and seed train as the members
+of one packed model in one process; every other job (pack=false, or alone in its pack) runs as above.
+Each member stays an ordinary Hydra job. A pack is run in three passes over its members:
+  1. Hydra's `run_job` for each member, with a HydraContext without callbacks and `app.pack_member` as
+     the task: Hydra makes the member's dir and writes its .hydra/ (config, hydra, overrides), its job log
+     starts, and normlab builds its RunConfig as `_task` does (and finds a run that already ended);
+  2. `app.train_members`: normlab.train.pack.train_pack trains the members that have not ended, in this
+     process; its log lines go to every member's job log (`<job dir>/normlab.log`) and to the console;
+  3. `run_job` for each member again, now with Hydra's callbacks and a task that returns the member's
+     result as `_task` would have: on_job_start and on_job_end fire for each job (normlab.launch.sweep_log's line
+     per job, then its table), and each job's JobReturn carries its final val loss (a failed member: a
+     line on stderr and NaN, as a failed job gives: a FAILED JobReturn would make Hydra's sweeper raise
+     after the batch, with no table).
+Hydra runs each member's job twice, and only pass 2 between them trains: so the callbacks see each job
+once, after it has ended, as they see an unpacked one. Pass 3 rewrites .hydra/ as pass 1 wrote it. A pack
+of one job is no pack: it runs as an unpacked job. Packs are the units: on the CPU they run in this
+process one after another (with cpu_jobs > 1, in workers); on a GPU machine each pack, like each
+unpacked job, takes one worker slot. Which jobs pack is decided before any job runs, by composing each
+job's config as it will run (normlab.launch.app.pack_groups).
+
+Imports stay light: torch is imported only to count GPUs, in the workers, and for a sweep with pack=true.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+
+# Jobs at once on one GPU. The issue's measurement: the 8-arm model=medium sweep (300 steps) on an H100
+# took 106 s one job at a time and 47 s with 4 at once (joblib); scripts/sweep_bench.py measures
+# 1, 2, 4 and 8 to settle the default on a given GPU. conf/hydra/launcher/normlab.yaml sets the same.
+JOBS_PER_GPU = 4
+
+
+def visible_gpus(devices: Optional[Sequence[Any]] = None) -> list[str]:
+    """The GPUs a sweep may use, as CUDA_VISIBLE_DEVICES entries: `devices` when given, else the
+    entries of CUDA_VISIBLE_DEVICES when it is set, else every GPU torch sees ([] without CUDA)."""
+    if devices is not None:
+        return [str(d) for d in devices]
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        entries = [e.strip() for e in env.split(",") if e.strip()]
+        return [] if entries[:1] == ["-1"] else entries
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def plan_slots(gpus: Sequence[str], jobs_per_gpu: int, cpu_jobs: int) -> list[Optional[str]]:
+    """The sweep's worker slots, each the GPU it is pinned to (None: the CPU), dealt round robin:
+    [g0, g1, g0, g1, ...] for 2 jobs on each of 2 GPUs, so the first slots cover every GPU."""
+    if jobs_per_gpu < 1 or cpu_jobs < 1:
+        raise ValueError(f"hydra.launcher: jobs_per_gpu={jobs_per_gpu} and cpu_jobs={cpu_jobs} must be >= 1")
+    if not gpus:
+        return [None] * cpu_jobs
+    return [gpu for _ in range(jobs_per_gpu) for gpu in gpus]
+
+
+def threads_per_job(concurrent: int) -> int:
+    """CPU threads for each of `concurrent` jobs: the cores (or OMP_NUM_THREADS, if lower) shared out,
+    so that workers do not oversubscribe the CPU."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = os.environ.get("OMP_NUM_THREADS", "")
+    if limit.isdigit() and int(limit) > 0:
+        cores = min(cores, int(limit))
+    return max(1, cores // concurrent)
+
+
+def _pin_worker(gpu: Optional[str], threads: int, memory_fraction: float) -> None:
+    """A worker's start: pin it to its GPU and its share of the CPU threads before torch is imported."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["NORMLAB_WORKER_MEMORY_FRACTION"] = str(memory_fraction)
+
+
+def _compose(hydra_context, config, idx: int, overrides: Sequence[str]) -> DictConfig:
+    """Job `idx`'s config as Hydra's basic launcher composes it (hydra node included), set as HydraConfig's."""
+    sweep_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+    with open_dict(sweep_config):
+        sweep_config.hydra.job.id = idx
+        sweep_config.hydra.job.num = idx
+    HydraConfig.instance().set_config(sweep_config)
+    return sweep_config
+
+
+def _run(hydra_context, task_function, sweep_config: DictConfig) -> JobReturn:
+    return run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
+                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+
+
+def run_unit(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, task_function) -> list[JobReturn]:
+    """A unit of the sweep, as (job number, overrides) pairs: one job, run as Hydra's basic launcher runs it,
+    or a pack's jobs (run_pack). Returns their JobReturns in order."""
+    if len(unit) > 1:
+        return run_pack(unit, hydra_context, config)
+    [(idx, overrides)] = unit
+    return [_run(hydra_context, task_function, _compose(hydra_context, config, idx, overrides))]
+
+
+def run_pack(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config) -> list[JobReturn]:
+    """A pack's jobs, each an ordinary Hydra job, trained together (the module's docstring: three passes).
+    Returns their JobReturns in order."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra.types import HydraContext
+
+    from normlab.launch import app
+
+    quiet = HydraContext(config_loader=hydra_context.config_loader, callbacks=Callbacks())
+    configs, members, logs = [], [], []
+    for idx, overrides in unit:  # pass 1: dirs, .hydra/, job logs, RunConfigs
+        configs.append(_compose(hydra_context, config, idx, overrides))
+        member, files = _run(quiet, _prepare_member, configs[-1]).return_value
+        members.append(member)
+        logs += files
+    configure_log(configs[0].hydra.job_logging, configs[0].hydra.verbose)
+    with _also_logged_to(logs):  # pass 2: train
+        training = [f"#{idx}" for (idx, _), member in zip(unit, members) if member.ended is None]
+        if training:
+            log.info(f"pack of {len(training)} jobs ({', '.join(training)}) trains as one packed model; "
+                     "this log is in each of their job logs")
+        app.train_members(members)
+    returns = []
+    for sweep_config, member in zip(configs, members):  # pass 3: callbacks and returns
+        returns.append(_run(hydra_context, lambda cfg, member=member: app.member_result(member), sweep_config))
+    return returns
+
+
+def _prepare_member(cfg: DictConfig):
+    """Pass 1's task: the member (normlab.launch.app.pack_member) and its job log's files as Hydra opened them."""
+    from normlab.launch import app
+
+    files = [(h.baseFilename, h.formatter, h.level) for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    return app.pack_member(cfg), files
+
+
+@contextlib.contextmanager
+def _also_logged_to(files: Sequence[tuple[str, Any, int]]):
+    """Log records also go to `files` (path, formatter, level) for the duration: a pack's members' job logs."""
+    root = logging.getLogger()
+    open_paths = {getattr(h, "baseFilename", None) for h in root.handlers}
+    added = []
+    for path, formatter, level in files:
+        if path not in open_paths:
+            open_paths.add(path)
+            added.append(logging.FileHandler(path))
+            added[-1].setFormatter(formatter)
+            added[-1].setLevel(level)
+            root.addHandler(added[-1])
+    try:
+        yield
+    finally:
+        for handler in added:
+            root.removeHandler(handler)
+            handler.close()
+
+
+def pack_units(hydra_context, config, jobs: Sequence[tuple[int, Sequence[str]]]) -> list[list[tuple[int, Sequence[str]]]]:
+    """The sweep's `jobs` ((job number, overrides) pairs) as units: normlab.launch.app.pack_groups of their configs,
+    each composed as it will run. A job whose config cannot be built is a unit alone (it says why as it runs)."""
+    from normlab.launch import app
+    from normlab.config import RunConfig
+
+    cfgs = []
+    before = HydraConfig.instance().cfg
+    try:
+        for idx, overrides in jobs:
+            task_cfg = _compose(hydra_context, config, idx, overrides).copy()
+            with open_dict(task_cfg):
+                del task_cfg["hydra"]
+            try:
+                cfgs.append(RunConfig.from_dict(OmegaConf.to_container(task_cfg, resolve=True)))
+            except Exception:
+                cfgs.append(None)
+    finally:
+        HydraConfig.instance().cfg = before
+    return [[jobs[i] for i in group] for group in app.pack_groups(cfgs)]
+
+
+def asks_for_packs(config: DictConfig, job_overrides: Sequence[Sequence[str]]) -> bool:
+    """Whether any job may have pack=true: the sweep's config has it, or a job's overrides set it. (Cheap:
+    composing every job's config to find out would cost every sweep a second or more.)"""
+    return bool(config.get("pack")) or any(o.split("=", 1)[0].lstrip("+~") == "pack" for job in job_overrides for o in job)
+
+
+def _run_in_worker(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, task_function, singleton_state) -> list[JobReturn]:
+    """A unit of jobs (run_unit) in a worker process; then the GPU memory it cached is handed back, so the
+    slot's next unit (and its neighbours) get it."""
+    import gc
+
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(float(os.environ["NORMLAB_WORKER_MEMORY_FRACTION"]))
+    from omegaconf.basecontainer import BaseContainer
+
+    setup_globals()
+    # This process's resolvers: Hydra's (setup_globals) and normlab's (registered on unpickling the task).
+    Singleton.set_state({**singleton_state, "omegaconf_resolvers": dict(BaseContainer._resolvers)})
+    try:
+        return [_picklable(ret) for ret in run_unit(unit, hydra_context, config, task_function)]
+    finally:
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+def _picklable(ret: JobReturn) -> JobReturn:
+    """The job's return, fit to travel back to the launcher: its configs as plain ones (a structured config's
+    class, as Hydra's plugin scan loaded it here, is not the one pickle finds by name), and a failed job's
+    exception as a RuntimeError with its text if the exception itself does not pickle."""
+    import pickle
+
+    from omegaconf import OmegaConf
+
+    for name in ("cfg", "hydra_cfg"):
+        value = getattr(ret, name, None)
+        if value is not None:
+            setattr(ret, name, OmegaConf.create(OmegaConf.to_container(value, resolve=False)))
+    if ret.status == JobStatus.FAILED:
+        try:
+            pickle.dumps(ret._return_value)
+        except Exception:
+            ret._return_value = RuntimeError(f"{type(ret._return_value).__name__}: {ret._return_value}")
+    return ret
+
+
+class ComposedOnce:
+    """A config loader's load_sweep_config that composes each job once where Hydra composes it twice: the
+    sweeper composes every job of a batch to validate it, then the launcher composes it again to run it
+    (0.2 s a job). Outside a launch (the sweeper validating), a copy of each config composed is kept; in
+    the launch, the first call for a job takes its copy (so every caller gets a config of its own), and
+    the launch's end forgets what no call took. At most `keep` are kept."""
+
+    def __init__(self, load, keep: int = 256):
+        self.load, self.keep, self.kept = load, keep, {}
+        self.launching = False
+
+    def __call__(self, master_config: DictConfig, sweep_overrides: List[str]) -> DictConfig:
+        key = (id(master_config), tuple(sweep_overrides))
+        if self.launching and key in self.kept:
+            return self.kept.pop(key)
+        sweep_config = self.load(master_config, sweep_overrides)
+        if not self.launching and len(self.kept) < self.keep:
+            self.kept[key] = copy.deepcopy(sweep_config)  # a copy of its own: callers set their job's fields
+        return sweep_config
+
+    @contextlib.contextmanager
+    def launch(self):
+        """The launch of a batch: kept configs are handed out, none kept; at the end the rest are forgotten."""
+        self.launching = True
+        try:
+            yield
+        finally:
+            self.launching = False
+            self.kept.clear()
+
+
+class NormlabLauncher(BasicLauncher):
+    """Runs a sweep's jobs concurrently over GPU slots (see the module's docstring); one slot: sequentially."""
+
+    def __init__(self, jobs_per_gpu: int = JOBS_PER_GPU, cpu_jobs: int = 1, devices: Optional[List[str]] = None) -> None:
+        super().__init__()
+        self.jobs_per_gpu, self.cpu_jobs, self.devices = jobs_per_gpu, cpu_jobs, devices
+
+    def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        loader = hydra_context.config_loader
+        # Jobs run in this process: the launcher takes the configs the sweeper composed to validate them.
+        # (Workers get the loader pickled, which a wrapper around its own method would not survive.)
+        sequential = len(plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)) == 1
+        if sequential and not isinstance(loader.load_sweep_config, ComposedOnce):
+            loader.load_sweep_config = ComposedOnce(loader.load_sweep_config)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        import gc
+
+        composed = self.hydra_context.config_loader.load_sweep_config
+        try:
+            with composed.launch() if isinstance(composed, ComposedOnce) else contextlib.nullcontext():
+                return self._launch(job_overrides, initial_job_idx)
+        finally:
+            gc.unfreeze()  # what normlab.launch.app.settle_garbage froze for the sweep's jobs
+
+    def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        jobs = list(enumerate(job_overrides, start=initial_job_idx))
+        units = [[job] for job in jobs]
+        if asks_for_packs(self.config, job_overrides):
+            setup_globals()
+            units = pack_units(self.hydra_context, self.config, jobs)
+        slots = plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)[: len(units)]
+        if len(slots) > 1:
+            return self._launch_concurrently(units, slots)
+        if len(units) == len(jobs):
+            return super().launch(job_overrides, initial_job_idx)
+        return self._launch_packs(units)
+
+    def _launch_packs(self, units: list) -> list[JobReturn]:
+        """The units one after another in this process, as Hydra's basic launcher runs its jobs."""
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        packs = sum(len(unit) > 1 for unit in units)
+        log.info(f"Launching {sum(len(u) for u in units)} jobs ({packs} packs among them), one after another in this process")
+        returns = []
+        for unit in units:
+            for idx, overrides in unit:
+                log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}" + (f"  [pack of {len(unit)}]" if len(unit) > 1 else ""))
+            returns += zip([idx for idx, _ in unit], run_unit(unit, self.hydra_context, self.config, self.task_function))
+            configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        return [ret for _, ret in sorted(returns, key=lambda pair: pair[0])]
+
+    def _launch_concurrently(self, units: list, slots: list) -> list[JobReturn]:
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        where = "the CPU" if slots[0] is None else f"GPU {', '.join(sorted(set(slots)))} (CUDA_VISIBLE_DEVICES)"
+        packs = sum(len(unit) > 1 for unit in units)
+        log.info(f"Launching {sum(len(u) for u in units)} jobs" + (f" ({packs} packs among them)" if packs else "")
+                 + f", {len(slots)} at once on {where}")
+        threads = threads_per_job(len(slots))
+        fraction = 0.95 / max(1, slots.count(slots[0]))  # each job's share of its GPU's memory
+        context = get_context("spawn")  # a fresh interpreter per worker: CUDA state is never forked
+        workers = [ProcessPoolExecutor(1, context, initializer=_pin_worker, initargs=(gpu, threads, fraction)) for gpu in slots]
+        pending = units[::-1]
+        running: dict = {}
+        returns: dict[int, JobReturn] = {}
+        stop: Optional[BaseException] = None
+        # Resolvers are local functions, which do not pickle: a worker registers normlab's own when it
+        # unpickles the task (normlab.launch.app), and the sweep dir, the one value that names the launch
+        # (${launch_time:}, ${uid:}), is resolved here, so every job lands in this sweep's dir.
+        state = {k: v for k, v in Singleton.get_state().items() if k != "omegaconf_resolvers"}
+        config = self.config.copy()
+        with open_dict(config):
+            config.hydra.sweep.dir = str(self.config.hydra.sweep.dir)
+        try:
+            while pending or running:
+                for slot in [s for s in range(len(slots)) if s not in {s for s, _ in running.values()}]:
+                    if not pending or stop is not None:
+                        break
+                    # One line per job, no interleaved bars.
+                    unit = [(idx, [*overrides, "progress=false"]) for idx, overrides in pending.pop()]
+                    place = "CPU" if slots[slot] is None else f"GPU {slots[slot]}"
+                    for idx, overrides in unit:
+                        packed = f", pack of {len(unit)}" if len(unit) > 1 else ""
+                        log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}  [{place}{packed}]")
+                    future = workers[slot].submit(_run_in_worker, unit, self.hydra_context, config,
+                                                  self.task_function, state)
+                    running[future] = (slot, [idx for idx, _ in unit])
+                if not running:
+                    break
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    slot, idxs = running.pop(future)
+                    try:
+                        returns.update(zip(idxs, future.result()))
+                    except (SystemExit, KeyboardInterrupt) as err:  # fail_fast or a bad config: no new job starts
+                        stop = stop or err
+                    except Exception as err:  # the worker died (killed, out of memory): its jobs failed
+                        returns.update((idx, _failed(idx, err)) for idx in idxs)
+                        workers[slot].shutdown(wait=False)  # a broken pool takes no more jobs: a fresh worker
+                        workers[slot] = ProcessPoolExecutor(1, context, initializer=_pin_worker,
+                                                            initargs=(slots[slot], threads, fraction))
+        finally:
+            for worker in workers:
+                worker.shutdown(wait=True, cancel_futures=True)
+        if stop is not None:
+            raise stop
+        return [returns[i] for i in sorted(returns)]
+
+
+def _failed(idx: int, err: BaseException) -> JobReturn:
+    log.error(f"job {idx} failed in its worker: {type(err).__name__}: {err}")
+    ret = JobReturn()
+    ret.status = JobStatus.FAILED
+    ret.return_value = err
+    return ret

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from normlab.util.errors import fail
+
 USAGE = """usage: normlab <command> [args]
 
 options:
@@ -57,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         from normlab.sample import main as run_sample
 
         return run_sample(rest)
-    print(f"normlab: error: unknown command {command!r}: choose one of train, compare, sample", file=sys.stderr)
-    return 2
+    return fail(f"unknown command {command!r}: choose one of train, compare, sample")
 
 
 if __name__ == "__main__":

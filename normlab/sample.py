@@ -11,9 +11,10 @@ read from the token cache, or learned again, deterministically, from the same te
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any, Mapping
+
+from normlab.util.errors import fail
 
 USAGE = "normlab sample RUN_DIR_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]"
 
@@ -42,8 +43,7 @@ def main(argv: list[str]) -> int:
         _check_args(args)
         print(sample_text(args.path, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.device))
     except SampleError as err:
-        print(f"normlab: error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     return 0
 
 

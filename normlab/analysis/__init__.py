@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from normlab import keys
+from normlab.util.errors import one_line
 from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, bookkeeping_keys, format_lr
 
 SUMMARY = "summary.json"
@@ -214,7 +215,7 @@ def load_run(path: Path) -> Run:
         try:
             summary = json.loads((path / SUMMARY).read_bytes().decode("utf-8"))
         except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
-            raise CompareError(f"{path / SUMMARY}: unreadable ({_one_line(err)})") from None
+            raise CompareError(f"{path / SUMMARY}: unreadable ({one_line(err, limit=10**6)})") from None
         if not isinstance(summary, dict):
             raise CompareError(f"{path / SUMMARY}: not a JSON object")
         _check_summary_types(path / SUMMARY, summary)
@@ -240,10 +241,6 @@ def _check_summary_types(path: Path, summary: dict[str, Any]) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             allowed = " or ".join("a number" if t is float else {int: "an integer", str: "a string"}[t] for t in types)
             raise CompareError(f"{path}: {key}={json.dumps(value)[:60]} has the wrong type: it must be {allowed}")
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
 
 
 def _read_config(run_dir: Path) -> dict[str, Any]:

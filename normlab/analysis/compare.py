@@ -16,6 +16,7 @@ from pathlib import Path
 from normlab.analysis import CONFIG, METRICS, SUMMARY, CompareError, build_comparison, find_run_dirs
 from normlab.analysis.plots import write_plots
 from normlab.analysis.report import write_report
+from normlab.util.errors import fail
 
 
 def default_report_dir(paths: list[str], run_dirs: list[Path]) -> Path:
@@ -53,8 +54,7 @@ def main(argv: list[str]) -> int:
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):  # one line, as every normlab error
-            print(f"normlab: error: compare: {message}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(fail(f"compare: {message}"))
 
     parser = Parser(
         prog="normlab compare",
@@ -67,7 +67,6 @@ def main(argv: list[str]) -> int:
     try:
         report_dir = compare(args.paths, args.out)
     except CompareError as err:
-        print(f"normlab: error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     print(report_dir)
     return 0

@@ -49,7 +49,6 @@ import math
 import os
 import socket
 import sysconfig
-import tempfile
 import threading
 import urllib.parse
 import urllib.request
@@ -62,11 +61,9 @@ import torch
 
 from normlab.config import TOKENIZERS, ConfigError, DataConfig, TokenizerConfig
 from normlab.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, pretrained, train_bpe
+from normlab.util.errors import one_line
+from normlab.util.files import atomic_path, exclusive, write_bytes_atomic
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: atomic writes alone keep the cache consistent
-    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +312,7 @@ def _cached_encoding(root: Path, tok: Tokenizer, text: _Text) -> tuple[np.ndarra
     if hit is not None:
         return hit
     try:
-        with _exclusive(root / f"tokens-{key}.lock"):
+        with exclusive(root / f"tokens-{key}.lock"):
             hit = _read_encoding(paths, meta_path, key, tok.dtype)
             if hit is not None:
                 return hit
@@ -324,10 +321,10 @@ def _cached_encoding(root: Path, tok: Tokenizer, text: _Text) -> tuple[np.ndarra
             digest = hashlib.sha256(ids["train"])
             digest.update(ids["val"])
             for part, array in ids.items():
-                _atomic_write(paths[part], lambda fh, array=array: fh.write(array.tobytes()))
+                write_bytes_atomic(paths[part], array.tobytes())
             meta = {**identity, "key": key, "dtype": tok.dtype.str, "sha256": digest.hexdigest(),
                     "n_train": len(ids["train"]), "n_val": len(ids["val"])}
-            _atomic_write(meta_path, lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
+            write_bytes_atomic(meta_path, json.dumps(meta, indent=1).encode())
             return ids["train"], ids["val"], meta["sha256"]
     except OSError as err:
         raise DataError(
@@ -571,7 +568,7 @@ def _load_saved_split(name: str, split: str, streaming: bool):
     try:
         saved = datasets.load_from_disk(os.path.expanduser(name))
     except Exception as err:
-        raise DataError(f"cannot load the saved dataset {name!r}: {_one_line(err)}") from None
+        raise DataError(f"cannot load the saved dataset {name!r}: {one_line(err)}") from None
     splits = list(saved) if isinstance(saved, datasets.DatasetDict) else ["train"]
     if split not in splits:
         raise _MissingSplit(f"it has {', '.join(splits)}")
@@ -587,7 +584,7 @@ def _call_load_dataset(name: str, config_name: str | None, split: str, streaming
     except Exception as err:
         # datasets says 'Unknown split "x". Should be one of [...]' (or 'Bad split: x. Available splits: [...]').
         if isinstance(err, ValueError) and ("Unknown split" in str(err) or "Bad split" in str(err)):
-            raise _MissingSplit(_one_line(err)) from None
+            raise _MissingSplit(one_line(err)) from None
         # Offline, a dataset missing from the cache surfaces as a ConnectionError (hub names)
         # or a FileNotFoundError (cache lookups); anything else is a real problem with the request.
         if offline_reason and isinstance(err, (ConnectionError, FileNotFoundError)):
@@ -595,7 +592,7 @@ def _call_load_dataset(name: str, config_name: str | None, split: str, streaming
                 f"{offline_reason} and dataset {name!r} is not in the local cache; "
                 "run once with network access to download it, or use data=stdlib or data=text"
             ) from None
-        raise DataError(f"cannot load Hugging Face dataset {name!r} (split {split!r}): {_one_line(err)}") from None
+        raise DataError(f"cannot load Hugging Face dataset {name!r} (split {split!r}): {one_line(err)}") from None
 
 
 def _offline_requested() -> bool:
@@ -663,11 +660,6 @@ def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT) -> bool:
     return bool(reachable) and reachable[0]
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
 def _cache_root(cfg: DataConfig) -> Path:
     configured = cfg.cache_dir or os.environ.get("NORMLAB_CACHE") or "~/.cache/normlab"
     root = Path(os.path.expanduser(str(configured)))
@@ -695,7 +687,7 @@ def _cached_tokens(root: Path, source: _Source) -> tuple[np.ndarray, dict]:
     if hit is not None:
         return hit
     try:
-        with _exclusive(root / f"{source.kind}-{key}.lock"):
+        with exclusive(root / f"{source.kind}-{key}.lock"):
             # Another job may have finished building this entry while we waited for the lock.
             hit = _read_entry(bin_path, meta_path, key)
             if hit is not None:
@@ -713,7 +705,7 @@ def _cached_tokens(root: Path, source: _Source) -> tuple[np.ndarray, dict]:
                 "spec": source.spec,
             }
             # The metadata goes in last: its presence is what marks the entry complete.
-            _atomic_write(meta_path, lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
+            write_bytes_atomic(meta_path, json.dumps(meta, indent=1).encode())
             return _map_tokens(bin_path, n_bytes), meta
     except OSError as err:
         # Source read failures are already DataErrors, so an OSError here is about the cache itself.
@@ -766,38 +758,11 @@ def _write_tokens(documents: Iterable[bytes], dest: Path) -> tuple[int, str]:
     digest = hashlib.sha256()
     count = 0
 
-    def write(fh) -> None:
-        nonlocal count
+    with atomic_path(dest) as tmp, open(tmp, "wb") as fh:
         for i, doc in enumerate(documents):
             pieces = (doc,) if i == 0 else (SEPARATOR, doc)
             for piece in pieces:
                 fh.write(piece)
                 digest.update(piece)
                 count += len(piece)
-
-    _atomic_write(dest, write)
     return count, digest.hexdigest()
-
-
-def _atomic_write(dest: Path, write: Callable) -> None:
-    """Run `write` on a temporary file next to `dest`, then move it over `dest` in one step."""
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path):
-    """Hold an exclusive advisory lock on `lock_path` (no-op where fcntl is unavailable)."""
-    if fcntl is None:
-        yield
-        return
-    with open(lock_path, "ab") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        yield

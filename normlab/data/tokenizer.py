@@ -24,6 +24,8 @@ from typing import Iterator
 import numpy as np
 
 from normlab.config import BPE_VOCAB_RANGE
+from normlab.util.errors import one_line
+from normlab.util.files import atomic_path
 
 BYTE_VOCAB = 256
 MAX_VOCAB_UINT16 = 1 << 16
@@ -158,13 +160,11 @@ def train_bpe(train_text: bytes, vocab_size: int, cache_dir: str | os.PathLike) 
     backend.train_from_iterator(_spread_sample(text, BPE_TRAIN_BYTES), trainer=trainer)
     tokenizer = HFTokenizer("bpe", backend, f"bpe:{vocab_size}")
     # Same directory, then one rename: concurrent jobs never read half a file.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tokenizer.save(tmp)
+        with atomic_path(path) as tmp:
+            tokenizer.save(str(tmp))
     except Exception as err:
-        raise TokenizerError(f"cannot write the BPE cache file {path}: {_one_line(err)}") from None
-    os.replace(tmp, path)
+        raise TokenizerError(f"cannot write the BPE cache file {path}: {one_line(err)}") from None
     return tokenizer
 
 
@@ -193,7 +193,7 @@ def from_file(path: str | os.PathLike, kind: str = "hf") -> HFTokenizer:
     try:
         backend = Backend.from_file(str(path))
     except Exception as err:
-        raise TokenizerError(f"{path} is not a tokenizers file (tokenizer.json): {_one_line(err)}") from None
+        raise TokenizerError(f"{path} is not a tokenizers file (tokenizer.json): {one_line(err)}") from None
     return HFTokenizer(kind, backend, f"{kind}:{path}")
 
 
@@ -215,7 +215,7 @@ def pretrained(name: str, local_only: bool, offline_reason: str = "") -> HFToken
                 f"{offline_reason or 'offline'} and tokenizer {name!r} is not in the Hugging Face cache; "
                 "run once with network access to download it, or give a local tokenizer.json"
             ) from None
-        raise TokenizerError(f"cannot load tokenizer {name!r} from the Hugging Face hub: {_one_line(err)}") from None
+        raise TokenizerError(f"cannot load tokenizer {name!r} from the Hugging Face hub: {one_line(err)}") from None
     tokenizer = from_file(path)
     tokenizer.description = f"hf:{name}"
     return tokenizer
@@ -242,8 +242,3 @@ def _token_byte_lengths(backend, vocab_size: int) -> np.ndarray:
         else:
             lengths[i] = len(backend.decode([i], skip_special_tokens=False).encode("utf-8"))
     return lengths
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= 300 else text[:297] + "..."

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from normlab.launch import machine, overrides, rundir
 from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob, format_lr
 from normlab.train.sinks import disk_full
+from normlab.util.errors import PREFIX, fail
 
 log = logging.getLogger("normlab")
 
@@ -356,13 +357,13 @@ def run_train(argv: list[str]) -> int:
         check_jobs(args.overrides, config_dirs, args.multirun, composed=by_job if args.config_name in (None, "config") else None)
         machine.check_machine(composed, args.multirun, local=not _on_cluster(args.overrides), units_of=pack_groups)
     except ConfigError as err:
-        return _fail(err)
+        return fail(err)
     except Exception as err:  # Hydra's override grammar: one line is enough
-        return _fail(f"could not parse the overrides: {str(err).splitlines()[0]}")
+        return fail(f"could not parse the overrides: {str(err).splitlines()[0]}")
     if args.multirun and any(o.startswith("hydra/launcher=") for o in args.overrides):
         refusal = _slurm_preflight(args.overrides, config_dirs)
         if refusal:
-            return _fail(refusal)
+            return fail(refusal)
 
     from normlab.train import distributed
 
@@ -379,7 +380,7 @@ def run_train(argv: list[str]) -> int:
         with guard if not args.multirun and distributed.is_main() else contextlib.nullcontext():
             _hydra_main()
     except ConfigError as err:
-        return _fail(err)
+        return fail(err)
     finally:
         distributed.shutdown()
     return 0
@@ -392,7 +393,7 @@ def _refuse_arguments(message: str) -> None:
         hint = ": put -m and other options before the overrides (normlab train -m lr=1e-3,3e-3 norm=rms)"
     else:
         hint = ": `normlab train --help` lists the options"
-    sys.exit(_fail(f"train: {message}{hint}"))
+    sys.exit(fail(f"train: {message}{hint}"))
 
 
 def _on_cluster(overrides: list[str]) -> bool:
@@ -450,16 +451,11 @@ def _experiment_override(arg: str) -> str:
     return arg[1:] if arg.startswith("+experiment=") else arg
 
 
-def _fail(err) -> int:
-    print(f"normlab: error: {err}", file=sys.stderr)
-    return 2
-
-
 def _stop(err) -> float:
     """Bad input found by a job: one line, then exit code 2. In a submitit job (one task of a SLURM array)
     the job stops alone and the sweep goes on: it returns NaN, as a failed arm does, since submitit
     records no result for a job that exits, and its launcher would wait for one."""
-    code = _fail(err)
+    code = fail(err)
     if os.environ.get("SUBMITIT_EXECUTOR"):
         log.error("%s", err)
         return math.nan
@@ -669,7 +665,7 @@ def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:
     name, multirun = run_name(run_cfg), hc.mode == RunMode.MULTIRUN
     what = f"the disk is full ({err})" if disk_full(err) else f"{type(err).__name__}: {err}"
     log.error("job %s failed: %s", name, what, exc_info=None if disk_full(err) else err)
-    print(f"normlab: error: job {hc.job.num} ({name}) failed: {what}" if multirun else f"normlab: error: {name} failed: {what}",
+    print(f"{PREFIX}job {hc.job.num} ({name}) failed: {what}" if multirun else f"{PREFIX}{name} failed: {what}",
           file=sys.stderr)
     if not multirun or run_cfg.fail_fast:
         # SystemExit passes through Hydra's per-job exception capture, so no further job starts.

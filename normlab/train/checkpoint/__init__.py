@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from normlab.config import RunConfig, bookkeeping_keys
+from normlab.util.errors import one_line
+from normlab.util.files import atomic_path, write_bytes_atomic
 
 FORMAT = "normlab-checkpoint/2"
 CHECKPOINT_DIR = "checkpoints"
@@ -118,29 +120,19 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 
 def write_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """torch.save `payload` to a temporary file beside `path`, flush it to disk, then rename it to `path`.
+    """torch.save `payload` to `path` atomically (normlab.util.files.atomic_path).
 
     On failure the temporary file goes and `path` (an earlier checkpoint's file too) is as it was; a
     write the disk refused raises that OSError (ENOSPC: the disk is full), not torch's own account of it.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            writer = _WriteErrors(fh)
-            try:
-                torch.save(payload, writer)
-            except RuntimeError:
-                if writer.error is not None:
-                    raise writer.error from None  # torch reports a refused write as "unexpected pos ..."
-                raise
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        writer = _WriteErrors(fh)
+        try:
+            torch.save(payload, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None  # torch reports a refused write as "unexpected pos ..."
+            raise
 
 
 class _WriteErrors:
@@ -160,20 +152,6 @@ class _WriteErrors:
         self.fh.flush()
 
 
-def _fsync_dir(folder: Path) -> None:
-    # The rename itself must reach the disk, or a power cut could bring back the old name.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class Checkpoint:
     """A checkpoint read from disk: `step`, `wandb_run_id`, and `restore()` into a run's state and callbacks."""
 
@@ -191,7 +169,7 @@ class Checkpoint:
             raise CheckpointError(f"{path}: no such checkpoint") from None
         except Exception as err:
             # torch's refusal of a non-weights pickle is a paragraph of advice; the gist fits in the line below.
-            detail = "" if isinstance(err, pickle.UnpicklingError) else f" ({type(err).__name__}: {_first_line(err)})"
+            detail = "" if isinstance(err, pickle.UnpicklingError) else f" ({type(err).__name__}: {one_line(err, limit=200)})"
             raise CheckpointError(f"{path}: unreadable checkpoint: corrupt, truncated, or not written by normlab{detail}") from None
         written = payload.get("format") if isinstance(payload, dict) else None
         if isinstance(written, str) and written.startswith("normlab-checkpoint/") and written != FORMAT:
@@ -461,13 +439,7 @@ def rewind_metrics(path: Path, first_step: int) -> list[dict[str, Any]]:
             rows.append(row)
     if kept == lines:
         return rows
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        fh.writelines(kept)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    write_bytes_atomic(path, "".join(kept).encode())
     return rows
 
 
@@ -479,9 +451,4 @@ def _missing(err: BaseException) -> str:
     """The error in a few words; a missing key as "it has no 'scaler'" (a checkpoint of an older normlab)."""
     if isinstance(err, KeyError) and err.args:
         return f"it has no {err.args[0]!r} (written by an older normlab?)"
-    return _first_line(err)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return (text[0] if text else type(err).__name__)[:200]
+    return one_line(err, limit=200)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import errno
-import fcntl
 import io
 import json
 import logging
@@ -31,6 +30,7 @@ class RunDirBusy(RuntimeError):
     """Another process is writing this run dir; the message is one line."""
 
 from normlab import keys
+from normlab.util.files import exclusive, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("normlab")
 
@@ -75,31 +75,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write `obj` as JSON to `path` via a temporary file and a rename, so readers never see half a file
-    (and a failed write, a full disk say, leaves no temporary file behind)."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, default=str, allow_nan=False) + "\n").encode())
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary file beside `path` and rename it to `path`; on failure remove the temporary file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def disk_full(err: BaseException) -> bool:
     """Whether `err` says the disk (or the user's quota) is full."""
     return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-# The run dirs this process holds locked: path -> [open descriptor, holders]. flock locks belong to an open
-# file, so a second lock of the same dir in this process (the Hydra layer's, then train()'s) reuses the first.
-_HELD: dict[Path, list] = {}
+# The run dirs this process holds locked: path -> holders. flock locks belong to an open file, so a second
+# lock of the same dir in this process (the Hydra layer's, then train()'s) reuses the first.
+_HELD: dict[Path, int] = {}
 
 
 class RunDir:
@@ -150,24 +133,20 @@ class RunDir:
         raise RunDirBusy at once if another process holds it. The kernel drops the lock when its process
         dies, however it dies."""
         key = self.path.resolve()
-        if key in _HELD:
-            _HELD[key][1] += 1
-        else:
-            fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+        with contextlib.ExitStack() as held:
+            if key not in _HELD:
+                try:
+                    held.enter_context(exclusive(key, wait=False))
+                except BlockingIOError:
+                    raise RunDirBusy(
+                        f"{self.path} is in use: another normlab run is writing it; wait for that run to end, or choose another run dir"
+                    ) from None
+                held.callback(_HELD.pop, key)
+            _HELD[key] = _HELD.get(key, 0) + 1
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise RunDirBusy(
-                    f"{self.path} is in use: another normlab run is writing it; wait for that run to end, or choose another run dir"
-                ) from None
-            _HELD[key] = [fd, 1]
-        try:
-            yield
-        finally:
-            _HELD[key][1] -= 1
-            if _HELD[key][1] == 0:
-                os.close(_HELD.pop(key)[0])  # closing the descriptor releases the lock
+                yield
+            finally:
+                _HELD[key] -= 1
 
     def write_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> Path:
         """Write a table as `<name>.csv` in the run dir ('telemetry/layers' -> telemetry/layers.csv); None is an empty cell."""

@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 

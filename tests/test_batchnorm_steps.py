@@ -10,7 +10,7 @@ from torch import nn
 
 from conftest import tiny_config
 from normlab.train.callbacks import Callback
-from normlab.config import ConfigError, DataConfig, NormConfig, TelemetryConfig
+from normlab.config import ConfigError, NormConfig, TelemetryConfig
 from normlab.nn.norms import BatchNorm, CausalBatchNorm, build_norm
 from normlab.train.run import train
 

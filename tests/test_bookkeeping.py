@@ -9,7 +9,8 @@ import pytest
 from conftest import tiny_config
 from normlab import analysis
 from normlab.train import checkpoint
-from normlab.train.checkpoint import Checkpoint, CheckpointError, checkpoint_path, flatten_config
+from normlab.config import flatten_config
+from normlab.train.checkpoint import Checkpoint, CheckpointError, checkpoint_path
 from normlab.config import RunConfig, bookkeeping_keys
 from normlab.train.run import train
 

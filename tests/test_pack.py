@@ -9,7 +9,8 @@ import torch
 
 from conftest import tiny_config
 from normlab.config import ConfigError
-from normlab.train.pack import check_pack, pack_key, train_pack
+from normlab.config.packing import pack_key
+from normlab.train.pack import check_pack, train_pack
 from normlab.nn.packed import PackedAdamW, PackedModel, clip_members
 from normlab.nn.model import GPT
 from normlab.train.run import train

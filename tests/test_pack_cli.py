@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import tiny_config
-from normlab.launch.app import pack_groups
+from normlab.config.packing import pack_groups
 from test_cli import normlab, run_dirs
 
 TINY = ["model=tiny", "max_steps=4", "eval_every=2", "eval_batches=1", "batch_size=4", "seq_len=16", "log_every=1",

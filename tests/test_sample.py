@@ -103,7 +103,7 @@ def test_sample_decodes_with_the_runs_bpe(tmp_path, capsys):
     import torch
 
     from normlab.train import checkpoint
-    from normlab.config import DataConfig, RunConfig, TokenizerConfig
+    from normlab.config import DataConfig, RunConfig, TokenizerConfig, flatten_config
     from normlab.data import load_corpus
     from normlab.nn.model import GPT
 
@@ -114,7 +114,7 @@ def test_sample_decodes_with_the_runs_bpe(tmp_path, capsys):
                     tokenizer=TokenizerConfig(kind="bpe", vocab_size=300))
     corpus = load_corpus(cfg.data, cfg.tokenizer)
     payload = {"format": checkpoint.FORMAT, "step": 0, "state": {"model": GPT(cfg).state_dict()},
-               "callbacks": {}, "rng": {}, "config": checkpoint.flatten_config(cfg)}
+               "callbacks": {}, "rng": {}, "config": flatten_config(cfg)}
     path = checkpoint.checkpoint_path(tmp_path / "run", 0)
     checkpoint.write_atomic(path, payload)
     assert main(["sample", str(path), "--prompt", "def", "--tokens", "5", "--temperature", "0"]) == 0

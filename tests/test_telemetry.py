@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from conftest import VALID_ARMS, tiny_config
-from normlab.config import ConfigError, DataConfig, RunConfig, TelemetryConfig
+from normlab.config import ConfigError, RunConfig, TelemetryConfig
 from normlab.data import load_corpus, sample_batch
 from normlab.nn.model import GPT
 from normlab.train.sinks import MetricsFile, RunDir

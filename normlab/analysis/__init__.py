@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 
 from normlab import keys
 from normlab.util.errors import one_line
-from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, bookkeeping_keys, format_lr
+from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, bookkeeping_keys, flatten_config, format_lr
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
@@ -264,17 +264,9 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
             return {}
     else:
         return {}
-    return _flatten(container) if isinstance(container, dict) else {}
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
-    return flat
+    if not isinstance(container, dict):
+        return {}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in flatten_config(container).items()}
 
 
 def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:

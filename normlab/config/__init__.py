@@ -693,3 +693,19 @@ def format_lr(lr: float) -> str:
     mantissa, exponent = f"{float(lr):.6e}".split("e")
     mantissa = mantissa.rstrip("0").rstrip(".")
     return f"{mantissa}e{int(exponent)}"
+
+
+def flatten_config(cfg: RunConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """{'norm.name': 'rms', 'optim.betas': [0.9, 0.95], ...}: a config as dotted keys."""
+    tree = cfg.to_dict() if isinstance(cfg, RunConfig) else cfg
+    flat: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[prefix + key] = value
+
+    walk(tree, "")
+    return flat

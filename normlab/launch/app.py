@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from normlab.launch import machine, overrides, rundir
 from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob, format_lr
+from normlab.config.packing import pack_groups
 from normlab.train.sinks import disk_full
 from normlab.util.errors import PREFIX, fail
 
@@ -267,21 +268,6 @@ def check_packing(cfgs: list, plugins: dict[str, str]) -> None:
     for group in pack_groups(cfgs):
         if cfgs[group[0]].pack:
             check_pack([cfgs[i] for i in group])
-
-
-def pack_groups(cfgs: list) -> list[list[int]]:
-    """A sweep's jobs as they train, as positions in `cfgs` (RunConfigs, or None for a job whose config
-    could not be built): the jobs with pack=true grouped by normlab.train.pack.pack_key, and every other job
-    alone; groups ordered by their first job, and each group's jobs in order."""
-    packed = [cfg is not None and cfg.pack for cfg in cfgs]
-    if not any(packed):
-        return [[i] for i in range(len(cfgs))]
-    from normlab.train.pack import pack_key
-
-    groups: dict[str, list[int]] = {}
-    for i, cfg in enumerate(cfgs):
-        groups.setdefault("pack " + pack_key(cfg) if packed[i] else f"job {i}", []).append(i)
-    return sorted(groups.values())
 
 
 def _norm_knob_overrides(job: list[str]) -> tuple[list[tuple[str, str]], list[str]]:

@@ -30,7 +30,7 @@ once, after it has ended, as they see an unpacked one. Pass 3 rewrites .hydra/ a
 of one job is no pack: it runs as an unpacked job. Packs are the units: on the CPU they run in this
 process one after another (with cpu_jobs > 1, in workers); on a GPU machine each pack, like each
 unpacked job, takes one worker slot. Which jobs pack is decided before any job runs, by composing each
-job's config as it will run (normlab.launch.app.pack_groups).
+job's config as it will run (normlab.config.packing.pack_groups).
 
 Imports stay light: torch is imported only to count GPUs, in the workers, and for a sweep with pack=true.
 """
@@ -184,10 +184,10 @@ def _also_logged_to(files: Sequence[tuple[str, Any, int]]):
 
 
 def pack_units(hydra_context, config, jobs: Sequence[tuple[int, Sequence[str]]]) -> list[list[tuple[int, Sequence[str]]]]:
-    """The sweep's `jobs` ((job number, overrides) pairs) as units: normlab.launch.app.pack_groups of their configs,
+    """The sweep's `jobs` ((job number, overrides) pairs) as units: normlab.config.packing.pack_groups of their configs,
     each composed as it will run. A job whose config cannot be built is a unit alone (it says why as it runs)."""
-    from normlab.launch import app
     from normlab.config import RunConfig
+    from normlab.config.packing import pack_groups
 
     cfgs = []
     before = HydraConfig.instance().cfg
@@ -202,7 +202,7 @@ def pack_units(hydra_context, config, jobs: Sequence[tuple[int, Sequence[str]]])
                 cfgs.append(None)
     finally:
         HydraConfig.instance().cfg = before
-    return [[jobs[i] for i in group] for group in app.pack_groups(cfgs)]
+    return [[jobs[i] for i in group] for group in pack_groups(cfgs)]
 
 
 def asks_for_packs(config: DictConfig, job_overrides: Sequence[Sequence[str]]) -> bool:

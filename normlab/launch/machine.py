@@ -137,7 +137,7 @@ def check_machine(composed: list, multirun: bool, local: bool, units_of=None) ->
     (the sweep dir in a multirun) can be made; and when the jobs run here (`local`, not on a cluster
     through a launcher), the device exists (a sweep's job on a missing device fails alone, when it runs)
     and each run's memory estimate fits, a pack's members' together. `units_of(cfgs)`: the runs of `cfgs`
-    (RunConfigs) that train together, as lists of positions (normlab.launch.app.pack_groups); None: each alone."""
+    (RunConfigs) that train together, as lists of positions (normlab.config.packing.pack_groups); None: each alone."""
     from omegaconf import OmegaConf, open_dict
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from normlab.config import RunConfig, bookkeeping_keys
+from normlab.config import RunConfig, bookkeeping_keys, flatten_config
 from normlab.util.errors import one_line
 from normlab.util.files import atomic_path, write_bytes_atomic
 
@@ -78,22 +78,6 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The checkpoint of `run_dir` with the highest step, or None."""
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None
-
-
-def flatten_config(cfg: RunConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """{'norm.name': 'rms', 'optim.betas': [0.9, 0.95], ...}: a config as dotted keys."""
-    tree = cfg.to_dict() if isinstance(cfg, RunConfig) else cfg
-    flat: dict[str, Any] = {}
-
-    def walk(node: Mapping[str, Any], prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, Mapping):
-                walk(value, f"{prefix}{key}.")
-            else:
-                flat[prefix + key] = value
-
-    walk(tree, "")
-    return flat
 
 
 def capture_rng() -> dict[str, Any]:

@@ -29,7 +29,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -37,8 +37,9 @@ import torch
 
 from normlab.train import distributed, preempt
 from normlab.train.callbacks import BatchNormSteps, RunReport, TelemetryProducts, ThroughputClock, progress
-from normlab.train.checkpoint import Checkpoint, Checkpointer, flatten_config, resolve_resume, rewind
-from normlab.config import ConfigError, RunConfig, bookkeeping_keys
+from normlab.config.packing import PACKABLE_KEYS, shared_settings
+from normlab.train.checkpoint import Checkpoint, Checkpointer, resolve_resume, rewind
+from normlab.config import ConfigError, RunConfig
 from normlab.data import Corpus, load_corpus
 from normlab.nn.flops import model_flops_per_token, peak_flops
 from normlab.nn.model import GPT
@@ -56,30 +57,13 @@ from normlab.train.run import (
 log = logging.getLogger("normlab")
 
 # The top-level keys a pack's members may differ in.
-PACKABLE_KEYS = ("lr", "seed")
-
-
-def _shared_settings(cfg: RunConfig) -> dict[str, Any]:
-    """The flattened config a pack's members share: all but the packable and the bookkeeping keys."""
-    skip = bookkeeping_keys()
-    return {
-        key: value for key, value in flatten_config(cfg).items()
-        if key not in PACKABLE_KEYS and not any(key == b or key.startswith(b + ".") for b in skip)
-    }
-
-
-def pack_key(cfg: RunConfig) -> str:
-    """Equal for two configs iff they may train in one pack."""
-    return json.dumps(_shared_settings(cfg), sort_keys=True, default=str)
-
-
 def check_pack(cfgs: Sequence[RunConfig]) -> None:
     """Raise ConfigError (one line) unless `cfgs` can train as one exact pack."""
     if not cfgs:
         raise ConfigError("pack=true: a pack needs at least one run")
-    first = _shared_settings(cfgs[0])
+    first = shared_settings(cfgs[0])
     for cfg in cfgs[1:]:
-        other = _shared_settings(cfg)
+        other = shared_settings(cfg)
         differ = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
         if differ:
             key = differ[0]

@@ -1,6 +1,6 @@
 """`normlab compare PATH...`: the ablation's answer, read from run dirs (never from wandb).
 
-The command finds the run dirs, builds the comparison (normlab.analysis: runs, arms, LR
+The command finds the run dirs, builds the comparison (runs.py and arms.py: runs, arms, LR
 sensitivity) and writes it as report.md (report.py) and PNG plots (plots.py) into a report dir.
 """
 
@@ -13,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from normlab.analysis import CONFIG, METRICS, SUMMARY, CompareError, build_comparison, find_run_dirs
+from normlab.analysis.arms import build_comparison
 from normlab.analysis.plots import write_plots
 from normlab.analysis.report import write_report
+from normlab.analysis.runs import CONFIG, METRICS, SUMMARY, CompareError, find_run_dirs
 from normlab.util.errors import fail
 
 

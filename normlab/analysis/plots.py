@@ -18,7 +18,8 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from normlab import keys
-from normlab.analysis import Arm, Comparison, Run, condition_label, mean_std, order_key
+from normlab.analysis.arms import Arm, Comparison, condition_label, mean_std, order_key
+from normlab.analysis.runs import Run
 from normlab.config import NORMS, PLACEMENTS
 
 LOSS_CURVES = (("loss", "loss_train.png", "training loss"), ("val_loss", "loss_val.png", "validation loss"))

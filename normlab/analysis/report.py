@@ -11,9 +11,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from normlab.analysis import MEASURES, Comparison, mean_std
-from normlab.config import NORM_TRAITS, format_lr
+from normlab.analysis.arms import Comparison, mean_std
 from normlab.analysis.plots import Plot
+from normlab.analysis.runs import MEASURES
+from normlab.config import NORM_TRAITS, format_lr
 
 MISSING = "—"
 RUN_COLUMNS = (

@@ -1,0 +1,261 @@
+"""Runs grouped into arms, and each arm's LR sensitivity and seed spread.
+
+Runs are grouped into arms: norm × placement, split further by any other config key whose
+value differs between the runs (depth, init, warmup, ...), except the learning rate (the
+sweep's axis), the seed (replicates) and the bookkeeping keys. For each arm this module
+computes the LR sensitivity of Wortsman et al. 2023 and the seed mean and spread at each
+learning rate; build_comparison puts it all together for the report and the plots.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from normlab.analysis.runs import METRICS, CompareError, Run, load_run
+from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, bookkeeping_keys, format_lr
+
+# Config keys that may differ inside one arm: lr is the sweep's axis, seed makes replicates, and the
+# schema's bookkeeping keys (a key under a listed sub-config too) change no number of the result.
+NOT_ARM_KEYS = ("lr", "seed", *bookkeeping_keys())
+
+
+def order_key(value: Any, known: tuple[str, ...]) -> tuple:
+    """Sort known names (norms, placements) in normlab's order, unknown ones after, alphabetically."""
+    return (known.index(value), "") if value in known else (len(known), str(value))
+
+
+def value_key(value: Any) -> tuple:
+    """Sort config values numbers first, by size (depth 4 before 12), then anything else as text."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, value, "")
+    return (1, 0, str(value))
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One ablation arm: a norm in a placement, plus any other config values that set it apart."""
+
+    norm: str
+    placement: str
+    extras: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def label(self) -> str:
+        return " ".join([f"{self.norm}-{self.placement}", *(f"{k}={v}" for k, v in self.extras)])
+
+    def sort_key(self) -> tuple:
+        return (order_key(self.norm, NORMS), order_key(self.placement, PLACEMENTS), self.extras_key())
+
+    def extras_key(self) -> tuple:
+        return tuple((k, value_key(v)) for k, v in self.extras)
+
+
+def arm_keys(runs: list[Run]) -> list[str]:
+    """Config keys beyond norm and placement that split runs into arms: those whose values differ."""
+    keys = sorted({k for run in runs for k in run.settings})
+    # A run without a config file lacks most keys: that alone must not split the arms.
+    varying = [k for k in keys if len({repr(run.settings[k]) for run in runs if k in run.settings}) > 1]
+    return [
+        k
+        for k in varying
+        if k not in ("norm.name", "placement") and not any(k == p or k.startswith(p + ".") for p in NOT_ARM_KEYS)
+    ]
+
+
+def arm_of(run: Run, keys: list[str]) -> Arm:
+    """`run`'s arm: its norm, placement and values of the arm `keys`, less the norm knobs its norm does not
+    read (a LayerNorm run of a sweep over DyT's α is one LayerNorm arm, not one arm per unused α)."""
+    return Arm(run.norm, run.placement, tuple((k, run.settings.get(k)) for k in keys if _reads(run.norm, k)))
+
+
+def _reads(norm: str, key: str) -> bool:
+    """Whether a run of `norm` reads config key `key`: every key but a `norm.KNOB` of a known norm without
+    that knob."""
+    knob = key.removeprefix("norm.")
+    return knob == key or norm not in NORM_TRAITS or knob in NORM_TRAITS[norm].knobs
+
+
+def condition_label(arm: Arm, lr: float) -> str:
+    """What a plot panel holds fixed across arms: the lr and the extra keys, e.g. 'lr=1e-3 depth=8'."""
+    return " ".join([f"lr={format_lr(lr)}", *(f"{k}={v}" for k, v in arm.extras)])
+
+
+def lr_sensitivity(loss_at_lr: Mapping[float, float], init_loss: float) -> float:
+    """Wortsman et al. 2023: mean over the swept lrs η of [min(ℓ(η), ℓ₀) − ℓ*], with ℓ* = min_η ℓ(η).
+
+    ℓ(η) is +inf for a run that diverged or failed, so it contributes ℓ₀ − ℓ*.
+    NaN when there is no lr, no ℓ₀, or every lr diverged (no ℓ*).
+    """
+    losses = list(loss_at_lr.values())
+    best = min(losses, default=math.inf)
+    if not (losses and math.isfinite(best) and math.isfinite(init_loss)):
+        return math.nan
+    return sum(min(loss, init_loss) - best for loss in losses) / len(losses)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (NaN std for fewer than two values)."""
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+@dataclass
+class LrPoint:
+    """The runs of one arm at one learning rate, one per seed."""
+
+    lr: float
+    runs: list[Run]
+
+    @property
+    def counted(self) -> list[Run]:
+        return [run for run in self.runs if run.outcome_loss is not None]
+
+    @property
+    def loss(self) -> float:
+        """ℓ(η): the seeds' mean final val loss, +inf if any seed diverged or failed; NaN if none finished."""
+        losses = [run.outcome_loss for run in self.counted]
+        return statistics.fmean(losses) if losses else math.nan
+
+    @property
+    def finished_losses(self) -> list[float]:
+        return [run.final_val_loss for run in self.counted if math.isfinite(run.outcome_loss)]
+
+    @property
+    def n_lost(self) -> int:
+        """Seeds that diverged or failed."""
+        return sum(1 for run in self.counted if not math.isfinite(run.outcome_loss))
+
+
+@dataclass
+class ArmResult:
+    """An arm's runs by learning rate, with its ℓ₀, ℓ*, and LR sensitivity."""
+
+    arm: Arm
+    points: list[LrPoint]
+    init_loss: float = math.nan
+    best_loss: float = math.nan
+    best_lr: float = math.nan
+    sensitivity: float = math.nan
+    sensitivity_std: float = math.nan  # over seeds that ran every lr, when there are two or more
+    n_seeds_for_std: int = 0
+
+    @property
+    def runs(self) -> list[Run]:
+        return [run for point in self.points for run in point.runs]
+
+
+def summarize_arm(arm: Arm, runs: list[Run]) -> ArmResult:
+    by_lr: dict[float, list[Run]] = {}
+    for run in runs:
+        by_lr.setdefault(run.lr, []).append(run)
+    points = [LrPoint(lr, sorted(rs, key=lambda r: (value_key(r.seed), str(r.path)))) for lr, rs in sorted(by_lr.items())]
+    result = ArmResult(arm, points)
+    result.init_loss = _mean_finite(run.init_loss for run in runs)
+    loss_at_lr = {p.lr: p.loss for p in points if p.counted}
+    if loss_at_lr:
+        best_lr = min(loss_at_lr, key=loss_at_lr.get)
+        if math.isfinite(loss_at_lr[best_lr]):
+            result.best_lr, result.best_loss = best_lr, loss_at_lr[best_lr]
+    result.sensitivity = lr_sensitivity(loss_at_lr, result.init_loss)
+    per_seed = _per_seed_sensitivities(points)
+    if len(per_seed) > 1:
+        result.sensitivity_std = statistics.stdev(per_seed)
+        result.n_seeds_for_std = len(per_seed)
+    return result
+
+
+def _per_seed_sensitivities(points: list[LrPoint]) -> list[float]:
+    """One LR sensitivity per seed that finished a run at every lr of the arm (with its own ℓ₀)."""
+    lrs = [p.lr for p in points if p.counted]
+    seeds = {run.seed for p in points for run in p.counted}
+    values = []
+    for seed in seeds:
+        mine = {p.lr: [r for r in p.counted if r.seed == seed] for p in points}
+        if any(len(mine[lr]) != 1 for lr in lrs):
+            continue
+        sens = lr_sensitivity({lr: mine[lr][0].outcome_loss for lr in lrs}, _mean_finite(mine[lr][0].init_loss for lr in lrs))
+        if math.isfinite(sens):
+            values.append(sens)
+    return values
+
+
+def _mean_finite(values: Iterable[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.fmean(finite) if finite else math.nan
+
+
+# ------------------------------------------------------------------------------------------ the comparison
+
+
+@dataclass
+class Comparison:
+    """Everything the report and the plots show: runs sorted by arm, lr and seed, and one result per arm."""
+
+    runs: list[Run]
+    arms: list[ArmResult]
+    arm_of: dict[Path, Arm]
+    root: Path  # common ancestor of the run dirs; run dirs are shown relative to it
+    notes: list[str] = field(default_factory=list)
+    measure: str = "val_loss"  # what every loss of the comparison is in (see comparison_measure)
+
+    def run_label(self, run: Run) -> str:
+        rel = os.path.relpath(run.path, self.root)
+        return run.path.name if rel == "." else rel
+
+
+def build_comparison(run_dirs: list[Path]) -> Comparison:
+    """Load the run dirs and group them into arms. Unreadable runs are skipped with a note."""
+    runs, notes = [], []
+    for path in run_dirs:
+        try:
+            runs.append(load_run(path))
+        except CompareError as err:
+            notes.append(f"skipped {err}")
+    if not runs:
+        raise CompareError(f"no readable runs: {notes[0].removeprefix('skipped ')}" if notes else "no runs")
+    measure = comparison_measure(runs)
+    for run in runs:
+        run.measure = measure
+    keys = arm_keys(runs)
+    arm_by_path = {run.path: arm_of(run, keys) for run in runs}
+    grouped: dict[Arm, list[Run]] = {}
+    for run in runs:
+        grouped.setdefault(arm_by_path[run.path], []).append(run)
+    grouped = {arm: _once_each(members, keys, notes) for arm, members in grouped.items()}
+    arms = [summarize_arm(arm, grouped[arm]) for arm in sorted(grouped, key=Arm.sort_key)]
+    ordered = [run for result in arms for run in result.runs]
+    root = Path(os.path.commonpath([run.path for run in ordered]))
+    for run in ordered:
+        if run.outcome_loss is None:
+            notes.append(f"{run.path.name} has status {run.status!r} (killed or still running): left out of the LR sensitivity")
+        if run.bad_lines:
+            notes.append(f"{run.path.name}: {run.bad_lines} line(s) of {METRICS} were not readable rows (torn, not UTF-8 JSON, or of the wrong types) and were ignored")
+    return Comparison(runs=ordered, arms=arms, arm_of=arm_by_path, root=root, notes=notes, measure=measure)
+
+
+def _once_each(members: list[Run], keys: list[str], notes: list[str]) -> list[Run]:
+    """An arm's runs with each training counted once: of runs at the same lr and seed that differ only in
+    norm knobs the arm's norm does not read (arm_of leaves those out), the first is kept and the others
+    noted. Runs of one config at one lr and seed (a sweep run twice) are kept, as before."""
+    first: dict[tuple, Run] = {}
+    kept = []
+    for run in members:
+        twin = first.setdefault((run.lr, run.seed), run)
+        unread = [k for k in keys if twin.settings.get(k) != run.settings.get(k)]
+        if twin is not run and unread:
+            notes.append(f"{run.path.name}: the same training as {twin.path.name} ({run.norm} does not read "
+                         f"{', '.join(unread)}): counted once")
+            continue
+        kept.append(run)
+    return kept
+
+
+def comparison_measure(runs: list[Run]) -> str:
+    """val_bpb when the runs' tokenizers differ (their losses per token are not comparable), else val_loss."""
+    return "val_bpb" if len({run.tokenizer for run in runs}) > 1 else "val_loss"

@@ -447,6 +447,16 @@ def test_normlab_help_and_compare_do_not_import_torch_or_wandb():
     assert out.strip().endswith("[] []"), out
 
 
+def test_compare_help_does_not_import_torch_wandb_or_matplotlib():
+    code = (
+        "import sys, normlab.cli\n"
+        "try:\n    normlab.cli.main(['compare', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted({'torch', 'wandb', 'matplotlib'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "usage: normlab compare" in out and out.strip().endswith("[]"), out
+
+
 # ------------------------------------------------------------------------------------------ a real sweep
 
 

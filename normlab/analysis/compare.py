@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 
 from normlab.analysis.arms import build_comparison
-from normlab.analysis.plots import write_plots
-from normlab.analysis.report import write_report
 from normlab.analysis.runs import CONFIG, METRICS, SUMMARY, CompareError, find_run_dirs
 from normlab.util.errors import fail
 
@@ -34,6 +32,10 @@ def compare(paths: list[str], out: str | os.PathLike | None = None) -> Path:
     run_dirs = find_run_dirs(paths)
     if not run_dirs:
         raise CompareError(f"no runs under {', '.join(map(str, paths))}: a run dir holds {SUMMARY}, {METRICS} or {CONFIG}")
+    # matplotlib only once there are runs to draw: `normlab compare --help` and bad input stay fast
+    from normlab.analysis.plots import write_plots
+    from normlab.analysis.report import write_report
+
     comparison = build_comparison(run_dirs)
     report_dir = Path(out) if out is not None else default_report_dir(paths, run_dirs)
     try:

@@ -8,11 +8,15 @@ last step before divergence, marked ×; non-finite points are never drawn.
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
@@ -45,8 +49,6 @@ class Style:
     """Colour per norm, line style per placement, marker per extra config (e.g. depth)."""
 
     def __init__(self, arms: list[Arm]):
-        from matplotlib import colormaps
-
         norms = sorted({a.norm for a in arms}, key=lambda n: order_key(n, NORMS))
         placements = sorted({a.placement for a in arms}, key=lambda p: order_key(p, PLACEMENTS))
         extras = list(dict.fromkeys(a.extras for a in sorted(arms, key=Arm.extras_key)))
@@ -212,19 +214,10 @@ def layer_heatmap(records, stat: str, title: str) -> bytes:
     `records` that hold it, as PNG bytes. Rows are blocks, bottom to top; a missing or non-finite
     value is a blank cell. The colour scale is logarithmic when the values are positive and span
     more than a factor of 10."""
-    # Imported here, not at the top: the training loop renders heatmaps without importing compare's plots.
-    import io
-
-    import numpy as np
-    from matplotlib.colors import LogNorm
-    from matplotlib.figure import Figure
-
-    from normlab.keys import layer_label, layer_values
-
-    profiles = [(record.get("step"), layer_values(record, stat)) for record in records]
+    profiles = [(record.get("step"), keys.layer_values(record, stat)) for record in records]
     profiles = [(step, values) for step, values in profiles if values]
     depth = 1 + max((max(values) for _, values in profiles), default=-1)
-    labels = [layer_label(i, depth) for i in range(depth)]
+    labels = [keys.layer_label(i, depth) for i in range(depth)]
     steps = [step for step, _ in profiles]
     grid = np.array([[values.get(i, np.nan) for _, values in profiles] for i in range(depth)], dtype=float)
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from normlab import cli
-from normlab.analysis import build_comparison, find_run_dirs, load_run, lr_sensitivity
+from normlab.analysis import CompareError, build_comparison, find_run_dirs, load_run, load_runs, lr_sensitivity
 from normlab.analysis.compare import compare
 from normlab.config import RunConfig, format_lr
 
@@ -345,6 +345,31 @@ def test_run_without_a_config_falls_back_to_its_summary(tmp_path):
     other = write_run(tmp_path / "q", norm="layer", placement="post", lr=1e-3, seed=4, depth=6)
     comparison = build_comparison([run_dir, other])
     assert [a.arm.label for a in comparison.arms] == ["layer-post"]  # a missing config must not split the arm
+
+
+def test_load_runs_reads_every_run_dir_under_the_paths_sorted_by_path_as_a_table(tmp_path):
+    outputs = tmp_path / "outputs"
+    sweep = outputs / "sweeps" / "s"
+    write_run(sweep / "1_b", norm="layer", lr=1e-2, seed=1, final=2.5)
+    write_run(sweep / "0_a", lr=1e-3, seed=0, final=3.0, extra_config={"optim.warmup_steps": 7})
+    killed = write_run(outputs / "runs" / "r1", lr=3e-3)
+    (killed / "summary.json").unlink()
+    (sweep / "0_a" / "wandb" / "offline-run-x").mkdir(parents=True)
+    (sweep / "0_a" / "wandb" / "offline-run-x" / "summary.json").write_text("{}")
+
+    runs = load_runs(outputs, sweep / "0_a")  # a run dir also under outputs/ is loaded once
+    assert [run.path for run in runs] == [(outputs / p).resolve() for p in ("runs/r1", "sweeps/s/0_a", "sweeps/s/1_b")]
+    rows = [{**run.settings, **run.summary} for run in runs]
+    assert [(row["norm.name"], row["lr"], row["seed"], row["status"]) for row in rows] == [
+        ("rms", 3e-3, 0, "incomplete"), ("rms", 1e-3, 0, "completed"), ("layer", 1e-2, 1, "completed"),
+    ]  # fmt: skip
+    assert [row.get("final_val_loss") for row in rows] == [None, 3.0, 2.5]
+    assert rows[1]["optim.warmup_steps"] == 7 and rows[1]["max_steps"] == 8 and rows[2]["depth"] == 2
+    assert runs[0].last_step == 8 and len(runs[1].rows) == 9
+    assert [run.path for run in load_runs(sweep)] == [(sweep / "0_a").resolve(), (sweep / "1_b").resolve()]
+    assert load_runs() == []
+    with pytest.raises(CompareError, match="no such file or directory"):
+        load_runs(tmp_path / "missing")
 
 
 # ------------------------------------------------------------------------------------------ report dir

@@ -23,6 +23,7 @@ from normlab.analysis.runs import (
     Run,
     find_run_dirs,
     load_run,
+    load_runs,
 )
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "condition_label",
     "find_run_dirs",
     "load_run",
+    "load_runs",
     "lr_sensitivity",
     "mean_std",
     "order_key",

@@ -2,8 +2,8 @@
 
 A run dir is any directory holding summary.json, metrics.jsonl or config.json (the run's
 RunConfig as train() writes it); a run killed before it wrote summary.json is read from the
-others. find_run_dirs finds them under a run dir, a sweep dir or the outputs/ root; load_run
-reads one.
+others. find_run_dirs finds them under a run dir, a sweep dir or the outputs/ root, load_run
+reads one, load_runs reads them all.
 """
 
 from __future__ import annotations
@@ -204,6 +204,14 @@ def load_run(path: Path) -> Run:
     rows, bad_lines = _read_metrics(path / METRICS)
     return Run(path=path, summary=summary, settings=settings, rows=rows, bad_lines=bad_lines)
 
+
+def load_runs(*paths: str | os.PathLike) -> list[Run]:
+    """Every run dir at or under `paths` (run dirs, sweep dirs, the outputs/ root), loaded, sorted by path.
+
+    For a notebook: `[{**run.settings, **run.summary} for run in load_runs("multirun/...")]` is a table,
+    one row per run. Raises CompareError for a path that does not exist or a run dir load_run cannot read.
+    """
+    return [load_run(path) for path in sorted(find_run_dirs(paths))]
 
 
 # Summary keys compare computes with, and the JSON types each may hold (null is allowed for all).

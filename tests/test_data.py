@@ -14,6 +14,7 @@ import torch
 from normlab import data
 from normlab.config import ConfigError, DataConfig, RunConfig
 from normlab.data import Corpus, DataError, eval_batches, load_corpus, sample_batch, stdlib_files
+from normlab.data import sources
 
 
 def corpus_bytes(corpus: Corpus) -> bytes:
@@ -86,7 +87,7 @@ def fake_stdlib(tmp_path, monkeypatch):
     (root / "site-packages" / "installed.py").write_bytes(b"EVIL = 1\n")
     (root / "site-packages" / "evil" / "deep.py").write_bytes(b"EVIL = 2\n")
     (root / "pkg" / "dist-packages" / "debian.py").write_bytes(b"EVIL = 3\n")
-    monkeypatch.setattr(data, "_stdlib_root", lambda: root)
+    monkeypatch.setattr(sources, "_stdlib_root", lambda: root)
     return root
 
 

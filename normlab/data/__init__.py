@@ -41,19 +41,17 @@ lets only one job build an entry while the others wait and then reuse it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
 import os
 import socket
-import sysconfig
 import threading
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -61,6 +59,7 @@ import torch
 from normlab.config import TOKENIZERS, ConfigError, DataConfig, TokenizerConfig
 from normlab.data.batches import bits_per_byte, eval_batches, sample_batch, target_bytes  # noqa: F401 (re-exported)
 from normlab.data.errors import DataError
+from normlab.data.sources import Source, capped, stdlib_files, stdlib_source, text_source  # noqa: F401 (re-exported)
 from normlab.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, pretrained, train_bpe
 from normlab.util.errors import one_line
 from normlab.util.files import atomic_path, exclusive, write_bytes_atomic
@@ -71,7 +70,6 @@ log = logging.getLogger(__name__)
 TOKENIZER = "bytes-v1"
 VOCAB_SIZE = 256
 SEPARATOR = b"\n"
-EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 HUB_PROBE_TIMEOUT = 1.0  # seconds; a reachable hub answers a TCP handshake far faster
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -94,14 +92,6 @@ class Corpus:
     def token_bytes(self) -> torch.Tensor:
         """int64 tensor of vocab_size entries: the UTF-8 bytes each token id stands for."""
         return torch.from_numpy(self.tokenizer.token_bytes)
-
-
-@dataclass(frozen=True)
-class _Source:
-    kind: str
-    description: str
-    spec: dict  # JSON-able identity of the content; hashed into the cache key
-    documents: Callable[[], Iterable[bytes]]  # reads the content, only on a cache miss
 
 
 def load_corpus(cfg: DataConfig, tokenizer: TokenizerConfig | None = None) -> Corpus:
@@ -158,26 +148,6 @@ def model_vocab_size(requested: int | None, corpus: Corpus) -> int:
             f"{corpus.tokenizer.kind}): set model.vocab_size=null to follow the tokenizer, or at least {corpus.vocab_size}"
         )
     return requested
-
-
-def stdlib_files(root: str | os.PathLike | None = None) -> list[str]:
-    """The standard library's `.py` files as sorted POSIX paths relative to `root`.
-
-    `root` defaults to this interpreter's stdlib directory. Nothing under a
-    `site-packages` or `dist-packages` directory is listed.
-    """
-    base = Path(root) if root is not None else _stdlib_root()
-    found = []
-    for dirpath, dirnames, filenames in os.walk(base):
-        # Pruning in place stops os.walk from descending into installed packages at all.
-        dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS]
-        rel_dir = Path(dirpath).relative_to(base)
-        found.extend((rel_dir / name).as_posix() for name in filenames if name.endswith(".py"))
-    return sorted(found)
-
-
-def _stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
 
 
 @dataclass(frozen=True)
@@ -300,19 +270,19 @@ def _read_encoding(paths: dict, meta_path: Path, key: str, dtype: np.dtype) -> t
     return train, val, meta["sha256"]
 
 
-def _resolve_source(cfg: DataConfig) -> _Source:
+def _resolve_source(cfg: DataConfig) -> Source:
     if cfg.source == "stdlib":
-        source = _stdlib_source()
+        source = stdlib_source()
     elif cfg.source == "text":
-        source = _text_source(list(cfg.files), cfg.text_field)
+        source = text_source(list(cfg.files), cfg.text_field)
     elif cfg.source == "hf":
         source = _hf_source(cfg, cfg.split)
     else:
         raise ConfigError(f"data.source={cfg.source!r} is not allowed: choose one of stdlib, text, hf")
-    return _capped(source, cfg.max_bytes)
+    return capped(source, cfg.max_bytes)
 
 
-def _val_source(cfg: DataConfig) -> _Source | None:
+def _val_source(cfg: DataConfig) -> Source | None:
     """The dataset's own validation split as a source, or None when validation is cut from the training text.
 
     data.val_split=auto takes a split named "validation" if the dataset has one; a named split must exist.
@@ -321,7 +291,7 @@ def _val_source(cfg: DataConfig) -> _Source | None:
         return None
     split = "validation" if cfg.val_split == "auto" else cfg.val_split
     try:
-        return _capped(_hf_source(cfg, split), cfg.max_bytes)
+        return capped(_hf_source(cfg, split), cfg.max_bytes)
     except _MissingSplit as missing:
         if cfg.val_split == "auto":
             return None
@@ -331,106 +301,7 @@ def _val_source(cfg: DataConfig) -> _Source | None:
         ) from None
 
 
-def _capped(source: _Source, max_bytes: int | None) -> _Source:
-    """`source` limited to its first `max_bytes` bytes (separators included); unchanged when max_bytes is None."""
-    if max_bytes is None:
-        return source
-    documents = source.documents
-
-    def capped() -> Iterator[bytes]:
-        left = max_bytes
-        for i, doc in enumerate(documents()):
-            room = left - (i > 0)  # every document after the first costs its separator too
-            if room <= 0:
-                return
-            doc = doc[:room]
-            yield doc
-            left -= len(doc) + (i > 0)
-
-    return dataclasses.replace(source, spec={**source.spec, "max_bytes": max_bytes}, documents=capped)
-
-
-def _stdlib_source() -> _Source:
-    root = _stdlib_root()
-    names = stdlib_files(root)
-    if not names:
-        raise DataError(f"no .py files found under the standard library directory {root}")
-    manifest = []
-    for name in names:
-        try:
-            st = (root / name).stat()
-        except OSError as err:
-            raise DataError(f"cannot read standard library file {root / name}: {err.strerror or err}") from None
-        manifest.append([name, st.st_size, st.st_mtime_ns])
-    return _Source(
-        kind="stdlib",
-        description=f"stdlib:{root}",
-        spec={"source": "stdlib", "root": str(root), "files": manifest},
-        documents=lambda: _read_files([root / name for name in names]),
-    )
-
-
-def _text_source(files: list, text_field: str) -> _Source:
-    if not files:
-        raise DataError("data.files is empty: data=text needs data.files=[path, ...]")
-    paths = [Path(os.path.expanduser(str(f))) for f in files]
-    manifest = []
-    for path in paths:
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise DataError(f"data.files: {path} does not exist") from None
-        except OSError as err:
-            raise DataError(f"data.files: cannot read {path}: {err.strerror}") from None
-        if not path.is_file():
-            raise DataError(f"data.files: {path} is not a regular file")
-        manifest.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
-    spec = {"source": "text", "files": manifest}
-    if any(_is_jsonl(p) for p in paths):
-        spec["jsonl_field"] = text_field
-    return _Source(
-        kind="text",
-        description="text:" + ",".join(str(f) for f in files),
-        spec=spec,
-        # Read as bytes rather than through datasets' "text" builder: the tokens are the bytes, so
-        # decoding and re-encoding could only alter them (newline translation, invalid UTF-8), and
-        # the builder would also store a second, Arrow copy of every file in the Hugging Face cache.
-        documents=lambda: _read_files(paths, text_field),
-    )
-
-
-def _is_jsonl(path: Path) -> bool:
-    return path.suffix.lower() == ".jsonl"
-
-
-def _read_files(paths: list[Path], text_field: str = "text") -> Iterator[bytes]:
-    """Each file's bytes as one document; a .jsonl file gives one document per row (its `text_field`)."""
-    for path in paths:
-        try:
-            if _is_jsonl(path):
-                yield from _jsonl_documents(path, text_field)
-            else:
-                yield path.read_bytes()
-        except OSError as err:
-            raise DataError(f"cannot read {path}: {err.strerror or err}") from None
-
-
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[bytes]:
-    with open(path, "rb") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                raise DataError(f"{path}:{number} is not a JSON object (a .jsonl file holds one per line)") from None
-            text = row.get(text_field) if isinstance(row, dict) else None
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{number} has no text field {text_field!r}: set data.text_field")
-            yield text.encode("utf-8")
-
-
-def _hf_source(cfg: DataConfig, split: str) -> _Source:
+def _hf_source(cfg: DataConfig, split: str) -> Source:
     if not cfg.name:
         raise DataError("data.name is not set: data=hf needs data.name=<hub dataset name>")
     dataset = _load_hf_dataset(cfg.name, cfg.config_name, split, streaming=cfg.streaming)
@@ -453,7 +324,7 @@ def _hf_source(cfg: DataConfig, split: str) -> _Source:
     }
     # A stream has no fingerprint: it is identified by name, split and the bytes taken (max_bytes).
     spec.update({"streaming": True} if cfg.streaming else {"fingerprint": getattr(dataset, "_fingerprint", None)})
-    return _Source(
+    return Source(
         kind="hf",
         description=f"hf:{cfg.name}{config_part}/{split}",
         spec=spec,
@@ -620,12 +491,12 @@ def _cache_root(cfg: DataConfig) -> Path:
     return root
 
 
-def _cache_key(source: _Source) -> str:
+def _cache_key(source: Source) -> str:
     identity = {"tokenizer": TOKENIZER, "separator": SEPARATOR.hex(), "spec": source.spec}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _cached_tokens(root: Path, source: _Source) -> tuple[np.ndarray, dict]:
+def _cached_tokens(root: Path, source: Source) -> tuple[np.ndarray, dict]:
     """The source's tokens as a uint8 array plus the entry's metadata, building the cache entry on a miss."""
     key = _cache_key(source)
     bin_path = root / f"{source.kind}-{key}.bin"

@@ -14,7 +14,7 @@ import torch
 from normlab import data
 from normlab.config import ConfigError, DataConfig, RunConfig
 from normlab.data import Corpus, DataError, eval_batches, load_corpus, sample_batch, stdlib_files
-from normlab.data import sources
+from normlab.data import hf, sources
 
 
 def corpus_bytes(corpus: Corpus) -> bytes:
@@ -228,7 +228,7 @@ def test_hf_unreachable_hub_falls_back_to_cache_and_fails_fast(tmp_path, monkeyp
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     probes = []
-    monkeypatch.setattr(data, "_hub_reachable", lambda: probes.append(1) or False)
+    monkeypatch.setattr(hf, "_hub_reachable", lambda: probes.append(1) or False)
     t0 = time.monotonic()
     with pytest.raises(DataError) as caught:
         load_corpus(DataConfig(source="hf", name="surely/not-cached-xyz", cache_dir=str(tmp_path)))
@@ -249,13 +249,13 @@ def test_hub_probe_tells_open_from_closed_ports(monkeypatch):
         server.bind(("127.0.0.1", 0))
         server.listen()
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
-        assert data._hub_reachable() is True
+        assert hf._hub_reachable() is True
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     t0 = time.monotonic()
-    assert data._hub_reachable() is False
+    assert hf._hub_reachable() is False
     assert time.monotonic() - t0 < 5.0  # a network attempt takes 10 s or more; 5 s leaves room for a loaded CPU
 
 
@@ -273,7 +273,7 @@ def local_dataset(tmp_path, monkeypatch):
 
 
 def test_hf_local_dataset_rows_become_documents(local_dataset, tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "_hub_reachable", fail_if_called)
+    monkeypatch.setattr(hf, "_hub_reachable", fail_if_called)
     corpus = load_corpus(DataConfig(source="hf", name=str(local_dataset), cache_dir=str(tmp_path / "c")))
     assert corpus_bytes(corpus) == "hello\nwörld\nthird row".encode()
     assert corpus.source == f"hf:{local_dataset}/train"
@@ -321,7 +321,7 @@ def _joined(rows: list[str]) -> bytes:
 
 
 def test_saved_dataset_train_and_validation_splits(saved_dataset, tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "_hub_reachable", fail_if_called)
+    monkeypatch.setattr(hf, "_hub_reachable", fail_if_called)
     corpus = load_corpus(DataConfig(source="hf", name=str(saved_dataset), cache_dir=str(tmp_path / "c")))
     assert corpus.train.numpy().tobytes() == _joined([f"train row {i} ünï" for i in range(40)])
     assert corpus.val.numpy().tobytes() == b"valid row a\nvalid row b"

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from normlab import data
 from normlab.config import ConfigError, DataConfig, RunConfig
 from normlab.data import Corpus, DataError, eval_batches, load_corpus, sample_batch, stdlib_files
+from normlab.data import cache as token_cache
 from normlab.data import hf, sources
 
 
@@ -112,7 +112,7 @@ def test_stdlib_cache_key_follows_file_changes(fake_stdlib, tmp_path):
 
 def test_second_load_is_a_cache_hit(stdlib_corpus, monkeypatch):
     first, cache = stdlib_corpus
-    monkeypatch.setattr(data, "_write_tokens", fail_if_called)
+    monkeypatch.setattr(token_cache, "_write_tokens", fail_if_called)
     again = load_corpus(DataConfig(source="stdlib", cache_dir=str(cache)))
     assert torch.equal(again.train, first.train) and torch.equal(again.val, first.val)
     assert again.sha256 == first.sha256 and again.n_bytes == first.n_bytes

@@ -41,30 +41,21 @@ lets only one job build an entry while the others wait and then reuse it.
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import torch
 
 from normlab.config import TOKENIZERS, ConfigError, DataConfig, TokenizerConfig
 from normlab.data.batches import bits_per_byte, eval_batches, sample_batch, target_bytes  # noqa: F401 (re-exported)
+from normlab.data.cache import Text, cache_root, cached_encoding, cached_tokens
 from normlab.data.errors import DataError
 from normlab.data.hf import MissingSplit, hf_source, tokenizer_offline_reason
 from normlab.data.sources import Source, capped, stdlib_files, stdlib_source, text_source  # noqa: F401 (re-exported)
 from normlab.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, pretrained, train_bpe
-from normlab.util.files import atomic_path, exclusive, write_bytes_atomic
 
 
-log = logging.getLogger(__name__)
-
-TOKENIZER = "bytes-v1"
-VOCAB_SIZE = 256
-SEPARATOR = b"\n"
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +82,7 @@ def load_corpus(cfg: DataConfig, tokenizer: TokenizerConfig | None = None) -> Co
     `tokenizer` defaults to the byte tokenizer, under which the tokens are the bytes. Validation is the
     dataset's own split when `data.val_split` names one (or is auto and the dataset has a "validation"
     split), else the last `floor(n * val_fraction)` bytes; other tokenizers move that cut forward to the
-    next UTF-8 character boundary. Tokens of non-byte tokenizers are cached too (see `_cached_encoding`).
+    next UTF-8 character boundary. Tokens of non-byte tokenizers are cached too (see `cached_encoding`).
 
     Raises DataError with a one-line message if the source or tokenizer cannot be loaded or the text is
     too small to split, and ConfigError for a val_fraction outside (0, 1).
@@ -101,13 +92,13 @@ def load_corpus(cfg: DataConfig, tokenizer: TokenizerConfig | None = None) -> Co
     if cfg.streaming and cfg.max_bytes is None:
         raise ConfigError("data.streaming=true needs data.max_bytes=N: a stream has no end to stop at")
     tokenizer = tokenizer or TokenizerConfig()
-    root = _cache_root(cfg)
+    root = cache_root(cfg)
     text = _split_text(cfg, root, char_aligned=tokenizer.kind != "byte")
     tok = _build_tokenizer(tokenizer, root, text.train)
     if tok.kind == "byte":
         train, val, sha256 = text.train, text.val, text.sha256
     else:
-        train, val, sha256 = _cached_encoding(root, tok, text)
+        train, val, sha256 = cached_encoding(root, tok, text)
     return Corpus(
         train=torch.from_numpy(train),
         val=torch.from_numpy(val),
@@ -124,7 +115,7 @@ def load_tokenizer(cfg: DataConfig, tokenizer: TokenizerConfig) -> Tokenizer:
     training text to find its cache entry, and learns its merges only when that entry is missing)."""
     if tokenizer.kind in ("byte", "hf"):
         return _build_tokenizer(tokenizer, None, None)
-    root = _cache_root(cfg)
+    root = cache_root(cfg)
     return _build_tokenizer(tokenizer, root, _split_text(cfg, root, char_aligned=True).train)
 
 
@@ -141,26 +132,16 @@ def model_vocab_size(requested: int | None, corpus: Corpus) -> int:
     return requested
 
 
-@dataclass(frozen=True)
-class _Text:
-    """The corpus as bytes: training text, validation text, and the sha256 of the two concatenated."""
-
-    train: np.ndarray  # uint8
-    val: np.ndarray  # uint8
-    sha256: str
-    description: str
-
-
-def _split_text(cfg: DataConfig, root: Path, char_aligned: bool) -> _Text:
+def _split_text(cfg: DataConfig, root: Path, char_aligned: bool) -> Text:
     """The source's bytes split into training and validation text (see load_corpus)."""
     source = _resolve_source(cfg)
     val_source = _val_source(cfg)
-    stream, meta = _cached_tokens(root, source)
+    stream, meta = cached_tokens(root, source)
     if val_source is not None:
-        val, _ = _cached_tokens(root, val_source)
+        val, _ = cached_tokens(root, val_source)
         digest = hashlib.sha256(stream)
         digest.update(val)
-        return _Text(stream, val, digest.hexdigest(), f"{source.description}+{val_source.spec['split']}")
+        return Text(stream, val, digest.hexdigest(), f"{source.description}+{val_source.spec['split']}")
     n = len(stream)
     cut = n - int(n * cfg.val_fraction)
     # A tokenizer of text must not see half a UTF-8 character at the cut: move it to the next character.
@@ -170,7 +151,7 @@ def _split_text(cfg: DataConfig, root: Path, char_aligned: bool) -> _Text:
         raise DataError(
             f"{source.description} has only {n} bytes: too few to split with data.val_fraction={cfg.val_fraction}"
         )
-    return _Text(stream[:cut], stream[cut:], meta["sha256"], source.description)
+    return Text(stream[:cut], stream[cut:], meta["sha256"], source.description)
 
 
 def _build_tokenizer(cfg: TokenizerConfig, root: Path | None, train_text: np.ndarray | None) -> Tokenizer:
@@ -188,61 +169,6 @@ def _build_tokenizer(cfg: TokenizerConfig, root: Path | None, train_text: np.nda
     except TokenizerError as err:
         raise DataError(str(err)) from None
     raise ConfigError(f"tokenizer.kind={cfg.kind!r} is not allowed: choose one of {', '.join(TOKENIZERS)}")
-
-
-def _cached_encoding(root: Path, tok: Tokenizer, text: _Text) -> tuple[np.ndarray, np.ndarray, str]:
-    """(train ids, val ids, sha256 of both) of `text` under `tok`, encoded once and then read from the cache.
-
-    An entry is `tokens-<key>.train.bin`, `tokens-<key>.val.bin` (ids in `tok.dtype`, native byte order)
-    and `tokens-<key>.json`, keyed by the tokenizer's identity, the text's sha256 and the cut.
-    """
-    identity = {"tokenizer": tok.identity, "text_sha256": text.sha256, "n_train_bytes": len(text.train)}
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
-    paths = {part: root / f"tokens-{key}.{part}.bin" for part in ("train", "val")}
-    meta_path = root / f"tokens-{key}.json"
-    hit = _read_encoding(paths, meta_path, key, tok.dtype)
-    if hit is not None:
-        return hit
-    try:
-        with exclusive(root / f"tokens-{key}.lock"):
-            hit = _read_encoding(paths, meta_path, key, tok.dtype)
-            if hit is not None:
-                return hit
-            log.info("encoding %s with %s (once; cached in %s)", text.description, tok.identity, root)
-            ids = {"train": tok.encode(text.train.tobytes()), "val": tok.encode(text.val.tobytes())}
-            digest = hashlib.sha256(ids["train"])
-            digest.update(ids["val"])
-            for part, array in ids.items():
-                write_bytes_atomic(paths[part], array.tobytes())
-            meta = {**identity, "key": key, "dtype": tok.dtype.str, "sha256": digest.hexdigest(),
-                    "n_train": len(ids["train"]), "n_val": len(ids["val"])}
-            write_bytes_atomic(meta_path, json.dumps(meta, indent=1).encode())
-            return ids["train"], ids["val"], meta["sha256"]
-    except OSError as err:
-        raise DataError(
-            f"cannot write the token cache in {root}: {err.strerror or err}; set data.cache_dir or NORMLAB_CACHE"
-        ) from None
-
-
-def _read_encoding(paths: dict, meta_path: Path, key: str, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, str] | None:
-    """A complete, verified encoding entry, or None if it is missing, stale or damaged."""
-    try:
-        meta = json.loads(meta_path.read_bytes())
-        if meta["key"] != key or meta["dtype"] != dtype.str:
-            return None
-        train = _map(paths["train"], dtype, int(meta["n_train"]))
-        val = _map(paths["val"], dtype, int(meta["n_val"]))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        log.warning("re-encoding damaged token cache entry %s: %s", meta_path, err)
-        return None
-    digest = hashlib.sha256(train)
-    digest.update(val)
-    if digest.hexdigest() != meta.get("sha256"):
-        log.warning("re-encoding token cache entry %s: content does not match its sha256", meta_path)
-        return None
-    return train, val, meta["sha256"]
 
 
 def _resolve_source(cfg: DataConfig) -> Source:
@@ -276,109 +202,3 @@ def _val_source(cfg: DataConfig) -> Source | None:
         ) from None
 
 
-def _cache_root(cfg: DataConfig) -> Path:
-    configured = cfg.cache_dir or os.environ.get("NORMLAB_CACHE") or "~/.cache/normlab"
-    root = Path(os.path.expanduser(str(configured)))
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DataError(
-            f"cannot create the token cache directory {root}: {err.strerror or err}; "
-            "set data.cache_dir or NORMLAB_CACHE"
-        ) from None
-    return root
-
-
-def _cache_key(source: Source) -> str:
-    identity = {"tokenizer": TOKENIZER, "separator": SEPARATOR.hex(), "spec": source.spec}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _cached_tokens(root: Path, source: Source) -> tuple[np.ndarray, dict]:
-    """The source's tokens as a uint8 array plus the entry's metadata, building the cache entry on a miss."""
-    key = _cache_key(source)
-    bin_path = root / f"{source.kind}-{key}.bin"
-    meta_path = root / f"{source.kind}-{key}.json"
-    hit = _read_entry(bin_path, meta_path, key)
-    if hit is not None:
-        return hit
-    try:
-        with exclusive(root / f"{source.kind}-{key}.lock"):
-            # Another job may have finished building this entry while we waited for the lock.
-            hit = _read_entry(bin_path, meta_path, key)
-            if hit is not None:
-                return hit
-            n_bytes, sha256 = _write_tokens(source.documents(), bin_path)
-            if n_bytes == 0:
-                bin_path.unlink()
-                raise DataError(f"{source.description} is empty: there is nothing to train on")
-            meta = {
-                "key": key,
-                "tokenizer": TOKENIZER,
-                "source": source.description,
-                "n_bytes": n_bytes,
-                "sha256": sha256,
-                "spec": source.spec,
-            }
-            # The metadata goes in last: its presence is what marks the entry complete.
-            write_bytes_atomic(meta_path, json.dumps(meta, indent=1).encode())
-            return _map_tokens(bin_path, n_bytes), meta
-    except OSError as err:
-        # Source read failures are already DataErrors, so an OSError here is about the cache itself.
-        raise DataError(
-            f"cannot write the token cache in {root}: {err.strerror or err}; set data.cache_dir or NORMLAB_CACHE"
-        ) from None
-
-
-def _read_entry(bin_path: Path, meta_path: Path, key: str) -> tuple[np.ndarray, dict] | None:
-    """A complete, verified cache entry, or None if it is missing, stale or damaged."""
-    try:
-        meta = json.loads(meta_path.read_bytes())
-        n_bytes = int(meta["n_bytes"])
-        if meta["key"] != key or meta["tokenizer"] != TOKENIZER or n_bytes <= 0:
-            return None
-        if bin_path.stat().st_size != n_bytes:
-            raise ValueError(f"{bin_path} holds {bin_path.stat().st_size} bytes, metadata says {n_bytes}")
-        tokens = _map_tokens(bin_path, n_bytes)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        log.warning("rebuilding damaged token cache entry %s: %s", meta_path, err)
-        return None
-    # Hashing the mapped file costs tens of ms for the stdlib corpus and guarantees that the
-    # reported sha256 describes the tokens actually trained on.
-    if hashlib.sha256(tokens).hexdigest() != meta.get("sha256"):
-        log.warning("rebuilding token cache entry %s: content does not match its sha256", bin_path)
-        return None
-    return tokens, meta
-
-
-def _map_tokens(path: Path, n_bytes: int) -> np.ndarray:
-    return _map(path, np.dtype(np.uint8), n_bytes)
-
-
-def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
-    """The `count` values of `dtype` in `path`; ValueError if the file holds a different number of bytes."""
-    size = path.stat().st_size
-    if size != count * dtype.itemsize:
-        raise ValueError(f"{path} holds {size} bytes, metadata says {count} × {dtype.itemsize}")
-    if count == 0:
-        return np.zeros(0, dtype=dtype)
-    # Copy-on-write mapping: jobs share the page cache, and the array is writable, which
-    # torch.from_numpy requires; writes never reach the file.
-    return np.asarray(np.memmap(path, dtype=dtype, mode="c", shape=(count,)))
-
-
-def _write_tokens(documents: Iterable[bytes], dest: Path) -> tuple[int, str]:
-    """Stream the documents, separator-joined, into `dest` atomically; return (token count, hex sha256)."""
-    digest = hashlib.sha256()
-    count = 0
-
-    with atomic_path(dest) as tmp, open(tmp, "wb") as fh:
-        for i, doc in enumerate(documents):
-            pieces = (doc,) if i == 0 else (SEPARATOR, doc)
-            for piece in pieces:
-                fh.write(piece)
-                digest.update(piece)
-                count += len(piece)
-    return count, digest.hexdigest()

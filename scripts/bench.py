@@ -13,7 +13,7 @@ compilation) is not timed. The reference is a minimal GPT and loop written here:
 pre-LN, tied head, SDPA, GELU MLP, AdamW with gradient clipping, the same data windows, and the
 same optimizer settings and learning-rate schedule as the normlab run.
 `ref fp32 + normlab malloc` is that reference after the host allocator setting normlab's train()
-makes (normlab.train.run.configure_host_allocator), to separate the loops from the allocator.
+makes (normlab.train.runtime.configure_host_allocator), to separate the loops from the allocator.
 
 Printed: tokens/s; model FLOP/s and MFU, with model FLOPs per token = 6·N + 12·L·d·T (N: the
 weights of the matmuls, i.e. the blocks' linear layers and the head; L blocks, width d, sequence T;
@@ -116,7 +116,7 @@ def run_reference(cfg, steps_per_window: int, windows: int, device: torch.device
     follow comparable trajectories: step times depend a little on the values computed (bf16 steps
     on weights still in warmup ran a few percent slower than at full lr from step 0)."""
     from normlab.data import load_corpus, sample_batch
-    from normlab.train.run import lr_at
+    from normlab.train.optim import lr_at
 
     torch.manual_seed(cfg.seed)
     model = build(cfg).to(device)  # `build`: the model the loop trains, from the config
@@ -246,7 +246,8 @@ def loop_extras(cfg, step_s: float) -> list[tuple[str, float]]:
     from normlab.config import TelemetryConfig
     from normlab.train.sinks import MetricsFile, RunDir
     from normlab.train.probe import Probe
-    from normlab.train.run import build_state, lr_at
+    from normlab.train.optim import lr_at
+    from normlab.train.run import build_state
 
     state = build_state(cfg, torch.device("cpu"), "fp32")
     model, optimizer = state.model, state.optimizer
@@ -351,7 +352,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     result_peak = {p: peak_matmul_flops(dt, device, spec["peak_size"])
                    for p, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     if loop == "ref-malloc":  # the reference with the host allocator setting normlab's train() makes
-        from normlab.train.run import configure_host_allocator
+        from normlab.train.runtime import configure_host_allocator
 
         configure_host_allocator()
     if loop.startswith("ref"):

@@ -64,7 +64,7 @@ def reference_step_times(cfg, every: int, windows: int, device: torch.device, ca
     """Seconds per step of each timed window of the reference loop (the first window is warm-up)."""
     import bench
     from normlab.data import load_corpus, sample_batch
-    from normlab.train.run import lr_at
+    from normlab.train.optim import lr_at
 
     torch.manual_seed(cfg.seed)
     model = bench.reference_gpt(cfg).to(device)
@@ -173,7 +173,7 @@ def main() -> int:
         print("bench_gpu: no CUDA device: nothing to measure")
         return 0
     if args.deterministic:
-        from normlab.train.run import CUBLAS_DETERMINISTIC
+        from normlab.train.runtime import CUBLAS_DETERMINISTIC
 
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]  # before the first matmul: read once
         print(f"--deterministic: CUBLAS_WORKSPACE_CONFIG={CUBLAS_DETERMINISTIC[0]} for every variant, so the cost "

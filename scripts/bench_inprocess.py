@@ -36,7 +36,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from normlab.nn.model import GPT
-    from normlab.train.run import configure_host_allocator
+    from normlab.train.runtime import configure_host_allocator
 
     configure_host_allocator()
     overrides = [*args.overrides, "wandb.mode=disabled", "telemetry.every=0", "progress=false"]

@@ -112,8 +112,9 @@ class GroupedGPT:
 
 def time_kernels(cfgs, rounds: int, steps: int, device: torch.device, precision: str) -> dict[str, float]:
     """Median ms per forward+backward step of the vmap pack and the grouped GPT, interleaved rounds."""
+    from normlab.train.loop import loss_fn
     from normlab.train.pack import build_pack
-    from normlab.train.run import autocast, loss_fn
+    from normlab.train.runtime import autocast
 
     pack, _ = build_pack(cfgs, device)
     grouped = GroupedGPT(len(cfgs), cfgs[0], device)
@@ -176,7 +177,7 @@ def main() -> int:
     cfgs = grid_configs(args)
     sequential = min(len(cfgs), args.sequential or (2 if args.gpu else len(cfgs)))
     device = torch.device("cuda" if args.gpu else "cpu")
-    from normlab.train.run import resolve_precision
+    from normlab.train.runtime import resolve_precision
 
     precision = resolve_precision(cfgs[0].precision, device)
     print(f"pack_bench: {len(cfgs)} runs of model={args.model} ({cfgs[0].label}), lr {args.lrs}, seeds {args.seeds}, "

@@ -471,7 +471,7 @@ def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_pat
 
 @pytest.mark.usefixtures("one_thread")
 def test_a_signal_during_an_evaluation_stops_before_the_next_step_and_resumes_exactly(tmp_path, monkeypatch):
-    import normlab.train.run as loop
+    import normlab.train.loop as loop
 
     whole = train(_disk_cfg(), tmp_path / "whole")
     evaluate, calls = loop.evaluate, []

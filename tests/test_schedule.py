@@ -5,7 +5,7 @@ import math
 import pytest
 
 from normlab.config import RunConfig
-from normlab.train.run import lr_at
+from normlab.train.optim import lr_at
 
 
 @pytest.mark.parametrize("max_steps,warmup", [(500, 50), (50, 0), (100, 50)])

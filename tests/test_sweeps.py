@@ -86,7 +86,7 @@ def test_fail_fast_stops_the_sweep(tmp_path):
 def test_a_nan_loss_stops_the_run_at_its_step(tmp_path, monkeypatch):
     cfg = tiny_config("layer", max_steps=8, log_every=3, eval_every=0)
     cfg.wandb.mode = "disabled"
-    import normlab.train.run as loop
+    import normlab.train.loop as loop
 
     real = loop.accumulate_gradients
     calls = []

@@ -14,7 +14,10 @@ from normlab.nn.model import GPT
 from normlab.train.sinks import MetricsFile, RunDir
 from normlab.keys import layer_label
 from normlab.train.probe import ATTN_PROBE_SEQS, Probe, attention_stats
-from normlab.train.run import loss_fn, lr_at, param_groups, seed_everything, train
+from normlab.train.loop import loss_fn
+from normlab.train.optim import lr_at, param_groups
+from normlab.train.run import train
+from normlab.train.runtime import seed_everything
 
 TELEMETRY_FAMILIES = ("act/", "grad/resid_rms/", "grad/norm/", "grad/embed", "grad/norm_f", "update_ratio/", "norm/", "attn/")
 

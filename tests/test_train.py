@@ -11,7 +11,10 @@ import torch
 
 from conftest import tiny_config
 from normlab.nn.model import GPT
-from normlab.train.run import accumulate_gradients, autocast, lr_at, param_groups, train
+from normlab.train.loop import accumulate_gradients
+from normlab.train.optim import lr_at, param_groups
+from normlab.train.run import train
+from normlab.train.runtime import autocast
 
 
 def _grads(cfg, grad_accum, precision="fp32"):
@@ -143,7 +146,7 @@ FAULTS_PER_STEP = """
 import resource, sys, torch, torch.nn.functional as F
 from normlab.config import ModelConfig, RunConfig
 from normlab.nn.model import GPT
-from normlab.train.run import configure_host_allocator
+from normlab.train.runtime import configure_host_allocator
 torch.set_num_threads(1)
 print(configure_host_allocator())
 cfg = RunConfig(model=ModelConfig(d_model=128, n_head=4, context=128), depth=4, batch_size=16, seq_len=128)

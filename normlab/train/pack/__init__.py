@@ -22,7 +22,6 @@ compile=true, and torchrun (a pack is one process).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -48,10 +47,12 @@ from normlab.train.pack.telemetry import PackedProbe
 from normlab.nn.packed import PackedAdamW, PackedModel, clip_members
 from normlab.train.preempt import Preempted
 from normlab.train.sinks import RunDir, Sink, SinkContext, open_sinks
-from normlab.train.run import (
-    HeldOut, _record_end, autocast, batch_loader, configure_determinism, configure_host_allocator, configure_matmul,
-    held_out_batches, loss_fn, lr_at, param_groups, resolve_device, resolve_precision, run_name, seed_everything,
-    summary_head, with_model_vocab,
+from normlab.train.loop import HeldOut, batch_loader, held_out_batches, loss_fn
+from normlab.train.optim import lr_at, param_groups
+from normlab.train.run import record_end, summary_head, with_model_vocab
+from normlab.train.runtime import (
+    autocast, configure_determinism, configure_host_allocator, configure_matmul, resolve_device, resolve_precision,
+    seed_everything,
 )
 
 log = logging.getLogger("normlab")
@@ -164,7 +165,7 @@ def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
         troubles = []
         for member, summary in zip(members, summaries):
             summary["wall_time_s"] = round(time.time() - started, 3)
-            troubles.append(_record_end(member.run_dir, summary, member.sinks, exit_code))
+            troubles.append(record_end(member.run_dir, summary, member.sinks, exit_code))
     trouble = next((t for t in troubles if t is not None), None)
     if trouble is not None:
         raise trouble
@@ -196,14 +197,14 @@ def _open_run(member: Member, corpus: Corpus) -> None:
     history = rewind(run_dir.path, start_step or 0)
     wandb_run_id = (resumed.wandb_run_id if resumed else None) or secrets.token_hex(4)
     member.checkpointer = Checkpointer(run_dir.path, cfg, wandb_run_id=wandb_run_id, corpus_sha256=corpus.sha256)
-    open_sinks(SinkContext(cfg, run_dir, run_name(cfg), wandb_run_id, start_step, history), into=member.sinks)
+    open_sinks(SinkContext(cfg, run_dir, cfg.run_name, wandb_run_id, start_step, history), into=member.sinks)
     member.products = TelemetryProducts(member.sinks)
-    member.report = RunReport(run_name(cfg), "", str(run_dir.path))
+    member.report = RunReport(cfg.run_name, "", str(run_dir.path))
 
 
 def build_pack(cfgs: Sequence[RunConfig], device: torch.device) -> tuple[PackedModel, PackedAdamW]:
     """The packed model, each member initialized as an unpacked run of its config is (seed_everything(seed),
-    then GPT(cfg)), and AdamW over it with the weight-decay groups of train.param_groups."""
+    then GPT(cfg)), and AdamW over it with the weight-decay groups of train.optim.param_groups."""
     models = []
     for cfg in cfgs:
         seed_everything(cfg.seed)
@@ -253,7 +254,7 @@ def _next_batches(cfgs: Sequence[RunConfig], loaders) -> tuple[torch.Tensor, tor
 
 
 class PackLoop:
-    """The packed training loop: train.run_steps for M members at once, with per-member records."""
+    """The packed training loop: train.loop.run_steps for M members at once, with per-member records."""
 
     def __init__(self, cfgs: list[RunConfig], members: list[Member], pack: PackedModel, optimizer: PackedAdamW,
                  probe: PackedProbe, held_out: HeldOut, precision: str, clock: ThroughputClock):
@@ -443,7 +444,7 @@ class PackLoop:
         return {**best, "tokens_per_s": best["tokens_per_s"] * self.pack.size}
 
     def result(self, i: int, batchnorm: BatchNormSteps, corpus: Corpus) -> dict[str, Any]:
-        """Member i's part of summary.json, as train._fit makes it, and the pack's size and throughput."""
+        """Member i's part of summary.json, as train.run._fit makes it, and the pack's size and throughput."""
         member, cfg = self.members[i], self.cfgs[i]
         out: dict[str, Any] = {"status": "completed"}
         if member.resumed is not None:
@@ -478,7 +479,7 @@ class PackLoop:
 
 @torch.no_grad()
 def evaluate_pack(pack: PackedModel, batches, device: torch.device, precision: str) -> torch.Tensor:
-    """Each member's mean loss over the fixed held-out batches, (M,), in eval mode (as train.evaluate)."""
+    """Each member's mean loss over the fixed held-out batches, (M,), in eval mode (as train.loop.evaluate)."""
     was_training = pack.template.training
     pack.template.eval()
     total = torch.zeros(pack.size, device=device)

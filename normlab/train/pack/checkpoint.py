@@ -20,7 +20,8 @@ from normlab.train.callbacks import DivergenceGuard, TelemetryProducts, Throughp
 from normlab.train.checkpoint import Checkpoint
 from normlab.config import RunConfig
 from normlab.nn.packed import PackedAdamW, PackedModel
-from normlab.train.run import build_state, param_groups
+from normlab.train.optim import param_groups
+from normlab.train.run import build_state
 
 
 @dataclass

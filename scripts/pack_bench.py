@@ -113,7 +113,7 @@ class GroupedGPT:
 def time_kernels(cfgs, rounds: int, steps: int, device: torch.device, precision: str) -> dict[str, float]:
     """Median ms per forward+backward step of the vmap pack and the grouped GPT, interleaved rounds."""
     from normlab.train.loop import loss_fn
-    from normlab.train.pack import build_pack
+    from normlab.train.pack.trainer import build_pack
     from normlab.train.runtime import autocast
 
     pack, _ = build_pack(cfgs, device)

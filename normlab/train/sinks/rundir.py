@@ -1,0 +1,148 @@
+"""The run dir (RunDir): its files, its lock (RunDirBusy when another process holds it), the room it keeps
+for summary.json when the disk fills (disk_full), and the line files its metrics grow in (AppendOnlyLines)."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import errno
+import io
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from normlab.util.files import exclusive, write_bytes_atomic, write_json_atomic
+
+RESERVE_NAME = ".summary.reserve"
+RESERVE_BYTES = 256 * 1024  # room kept for summary.json, so a run that fills the disk still records how it ended
+
+
+class RunDirBusy(RuntimeError):
+    """Another process is writing this run dir; the message is one line."""
+
+
+def jsonable(value: Any) -> Any:
+    """`value` as JSON can hold it: a NaN as null, an infinity as "inf" or "-inf"."""
+    # JSON has no NaN/inf; diverged runs must still write valid lines.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether `err` says the disk (or the user's quota) is full."""
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+# The run dirs this process holds locked: path -> holders. flock locks belong to an open file, so a second
+# lock of the same dir in this process (the Hydra layer's, then train()'s) reuses the first.
+_HELD: dict[Path, int] = {}
+
+
+class RunDir:
+    """The files of one run: config.json (the resolved config), summary.json, and what sinks add
+    (metrics.jsonl: one object per logged step)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.json"
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        """The run's resolved config as nested JSON (RunConfig.to_dict()), written atomically."""
+        write_json_atomic(self.config_path, config)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """summary.json, written atomically; the room reserve() kept is given back first, so the summary
+        of a run that filled the disk still fits."""
+        (self.path / RESERVE_NAME).unlink(missing_ok=True)
+        write_json_atomic(self.summary_path, {k: jsonable(v) for k, v in summary.items()})
+
+    def reserve(self) -> None:
+        """Keep RESERVE_BYTES of disk for summary.json (a hidden file that write_summary removes)."""
+        path = self.path / RESERVE_NAME
+        try:
+            with open(path, "wb") as fh:
+                fh.write(bytes(RESERVE_BYTES))
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the run dir's lock (an flock on the directory itself, so no file is added) for the duration;
+        raise RunDirBusy at once if another process holds it. The kernel drops the lock when its process
+        dies, however it dies."""
+        key = self.path.resolve()
+        with contextlib.ExitStack() as held:
+            if key not in _HELD:
+                try:
+                    held.enter_context(exclusive(key, wait=False))
+                except BlockingIOError:
+                    raise RunDirBusy(
+                        f"{self.path} is in use: another normlab run is writing it; wait for that run to end, or choose another run dir"
+                    ) from None
+                held.callback(_HELD.pop, key)
+            _HELD[key] = _HELD.get(key, 0) + 1
+            try:
+                yield
+            finally:
+                _HELD[key] -= 1
+
+    def write_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> Path:
+        """Write a table as `<name>.csv` in the run dir ('telemetry/layers' -> telemetry/layers.csv); None is an empty cell."""
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows(rows)
+        return self._write_atomic(f"{name}.csv", buffer.getvalue().encode())
+
+    def write_image(self, name: str, png: bytes) -> Path:
+        """Write PNG bytes as `<name>.png` in the run dir."""
+        return self._write_atomic(f"{name}.png", png)
+
+    def _write_atomic(self, relative: str, data: bytes) -> Path:
+        path = self.path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, data)
+        return path
+
+
+class AppendOnlyLines:
+    """A file that grows by whole lines only: each line goes to the file in one write() and, if that write
+    fails or falls short (a full disk), the file is cut back to its last complete line before the error is raised."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = os.fstat(self._fd).st_size
+
+    def write_line(self, line: str) -> None:
+        data = line.encode()
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        except BaseException:
+            os.ftruncate(self._fd, self._size)
+            raise
+        self._size += len(data)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -68,13 +68,13 @@ def test_an_unknown_compile_mode_is_refused():
 def test_the_clock_leaves_the_first_step_and_compilation_out_of_the_steady_rate(monkeypatch):
     from types import SimpleNamespace
 
-    import normlab.train.callbacks as callbacks
+    import normlab.train.callbacks.throughput as throughput
 
     # Step 0 is watched (eager, first in the process), step 1 the first compiled one, then steady steps.
     durations, watched = [3.0, 10.0, 0.5, 0.5, 0.5], [True, False, False, False, True]
     now = [0.0]
-    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: now[0])
-    clock = callbacks.ThroughputClock(100, compile_steps=1, flops_per_token=1e6, peak_flops=1e9)
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: now[0])
+    clock = throughput.ThroughputClock(100, compile_steps=1, flops_per_token=1e6, peak_flops=1e9)
     state = SimpleNamespace(tokens=0, watched=False)
     for seconds, state.watched in zip(durations, watched):
         clock.on_step_start(state)

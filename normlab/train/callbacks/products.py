@@ -1,0 +1,48 @@
+"""TelemetryProducts: the per-layer table and layer × step heatmaps a completed run hands its sinks."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from normlab import keys
+from normlab.train.callbacks.base import Callback
+from normlab.train.sinks.base import Sink
+from normlab.train.state import TrainState
+
+
+class TelemetryProducts(Callback):
+    """Keeps the per-layer part of every record and, when the run completes, hands the sinks the
+    per-layer table ('telemetry/layers') and layer × step heatmaps ('telemetry/resid_rms',
+    'telemetry/grad_norm'), made from those records as compare makes its plots."""
+
+    name = "telemetry_products"
+    HEATMAPS = {keys.RESID_RMS: "telemetry/resid_rms", keys.GRAD_NORM: "telemetry/grad_norm"}
+
+    def __init__(self, sinks: Sequence[Sink]):
+        self.sinks = sinks
+        self.records: list[dict[str, Any]] = []
+
+    def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None:
+        per_layer = {k: v for k, v in (record or {}).items() if keys.parse(k) is not None}
+        if per_layer:
+            self.records.append({"step": record["step"], **per_layer})
+
+    def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
+        if summary.get("status") != "completed" or not self.records or not self.sinks:
+            return
+        # Here, not at the top: it imports matplotlib, slow and needed only at the end of a completed run.
+        from normlab.analysis.plots import layer_heatmap
+
+        columns, rows = keys.layer_table(self.records)
+        titles = {stat: title for stat, _, title in keys.LAYER_PROFILES}
+        images = {name: layer_heatmap(self.records, stat, titles[stat]) for stat, name in self.HEATMAPS.items()}
+        for sink in self.sinks:
+            sink.log_table("telemetry/layers", columns, rows)
+            for name, png in images.items():
+                sink.log_image(name, png)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"records": [dict(record) for record in self.records]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.records = [dict(record) for record in state["records"]]

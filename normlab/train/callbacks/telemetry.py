@@ -1,0 +1,47 @@
+"""Telemetry: runs the Probe (per-layer statistics) on its steps."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from normlab.train.callbacks.base import Callback
+from normlab.train.probe import Probe
+from normlab.train.state import TrainState
+
+
+class Telemetry(Callback):
+    """Runs the Probe on its steps: hooks around forward and backward, gradient and weight statistics,
+    and the step's statistics added to its record (one host transfer). Telemetry steps are watched:
+    they run the eager model (hooks attach to eager modules) and are always logged."""
+
+    name = "telemetry"
+
+    def __init__(self, probe: Probe):
+        self.probe = probe
+        self._watching: contextlib.ExitStack | None = None
+        self._active = False
+
+    def on_step_start(self, state: TrainState) -> None:
+        self._active = self.probe.active(state.step)
+        if self._active:
+            state.watched = True
+            self._watching = contextlib.ExitStack()
+            self._watching.enter_context(self.probe.watch())
+
+    def after_backward(self, state: TrainState) -> None:
+        if self._watching is not None:
+            self._watching.close()  # the hooks live for the forward and backward passes only
+            self._watching = None
+        if self._active:
+            self.probe.measure_gradients(state.scaler)  # the accumulated, un-scaled gradient, before clipping
+
+    def before_optimizer_step(self, state: TrainState) -> None:
+        if self._active:
+            self.probe.before_update()
+
+    def after_optimizer_step(self, state: TrainState, record: dict[str, Any] | None) -> None:
+        if self._active:
+            stats = self.probe.collect()  # telemetry's one host transfer
+            if record is not None:
+                record.update(stats)

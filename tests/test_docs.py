@@ -1,4 +1,5 @@
-"""README.md and docs/*.md render as written: every code block closes, and every relative link resolves."""
+"""README.md and every page under docs/ render as written: every code block closes, and every relative
+link resolves. The README is a user's page: short, and it links every docs page."""
 
 import re
 from pathlib import Path
@@ -6,7 +7,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README = ROOT / "README.md"
+PAGES = sorted((ROOT / "docs").rglob("*.md"))
+DOCS = [README, *PAGES]
+README_MAX_LINES = 250
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -32,7 +36,7 @@ def anchors(path: Path) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
 
 
-@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_code_blocks_close_and_relative_links_resolve(path):
     for target in LINK.findall("\n".join(outside_code(path))):
         if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
@@ -44,5 +48,16 @@ def test_code_blocks_close_and_relative_links_resolve(path):
             assert fragment in anchors(dest), f"{path.name}: link to a missing heading {target}"
 
 
-def test_readme_links_the_benchmark_log():
-    assert "docs/benchmarks.md" in LINK.findall((ROOT / "README.md").read_text())
+def test_the_docs_have_pages():
+    assert README.exists() and len(PAGES) >= 2, "README.md and the pages under docs/ are missing"
+
+
+def test_readme_is_a_short_page():
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; at most {README_MAX_LINES}: move the details to a page under docs/"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_readme_links_every_docs_page(page):
+    linked = {(ROOT / target.partition("#")[0]).resolve() for target in LINK.findall("\n".join(outside_code(README)))}
+    assert page.resolve() in linked, f"README.md does not link {page.relative_to(ROOT)}"

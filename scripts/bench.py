@@ -308,9 +308,10 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_module
     from omegaconf import OmegaConf
 
-    import normlab.launch.app  # noqa: F401  (registers the config's resolvers)
     from normlab.config import RunConfig
+    from normlab.launch.resolvers import register_resolvers
 
+    register_resolvers()  # the packaged config uses them
     with initialize_config_module(config_module="normlab.conf", version_base="1.3"):
         cfg = hydra_compose("config", overrides=overrides)  # without the hydra node
     cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))

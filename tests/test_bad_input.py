@@ -212,7 +212,7 @@ def test_saved_configs_with_an_unknown_key_still_load_without_validation():
 
 
 def test_hydras_own_keys_and_groups_and_presets_are_not_refused():
-    from normlab.launch.app import CONFIG_MODULE
+    from normlab.launch.prechecks import CONFIG_MODULE
     from normlab.launch.overrides import check_command_line, check_composition
 
     line = ["hydra/job_logging=disabled", "hydra.job.chdir=false", "experiment=norm_grid", "norm=rms", "norm.eps=1e-6"]

@@ -7,7 +7,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from conftest import tiny_config
-from normlab.launch.app import register_resolvers, sweep_jobs
+from normlab.launch.prechecks import sweep_jobs
+from normlab.launch.resolvers import register_resolvers
 from normlab.cli import main
 from normlab.config import ConfigError, NormConfig, RunConfig
 

@@ -131,9 +131,10 @@ def test_train_refuses_a_checkpoint_lacking_a_piece_before_touching_the_run_dir(
 
 def _tiny_cli_config(**overrides):
     """The RunConfig `normlab train *RUN` composes."""
-    import normlab.launch.app  # noqa: F401  (registers the resolvers the packaged config uses)
+    from normlab.launch.resolvers import register_resolvers
     from normlab.launch.rundir import compose_run
 
+    register_resolvers()  # the packaged config uses them
     cfg, _ = compose_run([*RUN, *[f"{k}={v}" for k, v in overrides.items()]], [], "normlab.conf")
     return cfg
 

@@ -23,7 +23,7 @@ from normlab.config import (
     NormTraits,
     RunConfig,
 )
-from normlab.launch.app import check_jobs
+from normlab.launch.prechecks import check_jobs
 from normlab.cli import main
 from normlab.nn.model import GPT, block_slots
 from normlab.nn.norms import NORM_CLASSES, Norm, build_norm, is_norm, needs_ddp_sync

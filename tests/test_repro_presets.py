@@ -4,7 +4,8 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf, open_dict
 
-from normlab.launch.app import check_jobs, register_resolvers, sweep_jobs
+from normlab.launch.prechecks import check_jobs, sweep_jobs
+from normlab.launch.resolvers import register_resolvers
 from normlab.config import RunConfig
 
 

@@ -110,7 +110,8 @@ def test_the_job_returns_its_final_val_loss(tmp_path, monkeypatch):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict, read_write
 
-    from normlab.launch.app import _task, register_resolvers
+    from normlab.launch.resolvers import register_resolvers
+    from normlab.launch.task import train_job
 
     register_resolvers()
     monkeypatch.chdir(tmp_path)
@@ -124,7 +125,7 @@ def test_the_job_returns_its_final_val_loss(tmp_path, monkeypatch):
             with read_write(cfg.hydra.runtime), open_dict(cfg.hydra.runtime):
                 cfg.hydra.runtime.output_dir = str(tmp_path / lr)
             HydraConfig.instance().set_config(cfg)
-            returned[lr] = _task(cfg)
+            returned[lr] = train_job(cfg)
     summary = json.loads((tmp_path / "1e-3" / "summary.json").read_text())
     assert returned["1e-3"] == pytest.approx(summary["final_val_loss"])
     assert math.isnan(returned["1e5"])
@@ -134,7 +135,7 @@ def test_the_job_returns_its_final_val_loss(tmp_path, monkeypatch):
 def test_experiment_presets_compose_to_their_sweeps():
     from hydra import compose, initialize_config_module
 
-    from normlab.launch.app import register_resolvers
+    from normlab.launch.resolvers import register_resolvers
 
     register_resolvers()
     with initialize_config_module("normlab.conf", version_base="1.3"):
@@ -150,7 +151,7 @@ def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_the_first_free
     import gc
     import weakref
 
-    from normlab.launch.app import settle_garbage
+    from normlab.launch.task import settle_garbage
 
     class Node:
         pass

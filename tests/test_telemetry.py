@@ -71,7 +71,7 @@ def test_negative_interval_is_a_one_line_config_error():
 def test_packaged_config_sets_the_schema_default():
     from hydra import compose, initialize_config_module
 
-    from normlab.launch.app import register_resolvers
+    from normlab.launch.resolvers import register_resolvers
 
     register_resolvers()
     with initialize_config_module(config_module="normlab.conf", version_base="1.3"):

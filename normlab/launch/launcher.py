@@ -15,13 +15,13 @@ line as it ends (normlab.launch.sweep_log).
 Packed arms (`pack=true`, normlab.train.pack): the jobs that differ only in lr and seed train as the members
 of one packed model in one process; every other job (pack=false, or alone in its pack) runs as above.
 Each member stays an ordinary Hydra job. A pack is run in three passes over its members:
-  1. Hydra's `run_job` for each member, with a HydraContext without callbacks and `app.pack_member` as
+  1. Hydra's `run_job` for each member, with a HydraContext without callbacks and `task.pack_member` as
      the task: Hydra makes the member's dir and writes its .hydra/ (config, hydra, overrides), its job log
-     starts, and normlab builds its RunConfig as `_task` does (and finds a run that already ended);
-  2. `app.train_members`: normlab.train.pack.train_pack trains the members that have not ended, in this
+     starts, and normlab builds its RunConfig as `task.train_job` does (and finds a run that already ended);
+  2. `task.train_members`: normlab.train.pack.train_pack trains the members that have not ended, in this
      process; its log lines go to every member's job log (`<job dir>/normlab.log`) and to the console;
   3. `run_job` for each member again, now with Hydra's callbacks and a task that returns the member's
-     result as `_task` would have: on_job_start and on_job_end fire for each job (normlab.launch.sweep_log's line
+     result as `task.train_job` would have: on_job_start and on_job_end fire for each job (normlab.launch.sweep_log's line
      per job, then its table), and each job's JobReturn carries its final val loss (a failed member: a
      line on stderr and NaN, as a failed job gives: a FAILED JobReturn would make Hydra's sweeper raise
      after the batch, with no table).
@@ -39,18 +39,27 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import logging
 import os
+import pickle
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
+from hydra._internal.callbacks import Callbacks
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
+from hydra.types import HydraContext
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.basecontainer import BaseContainer
+
+from normlab.config import RunConfig
+from normlab.config.packing import pack_groups
+from normlab.launch.task import member_result, pack_member, train_members
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +78,7 @@ def visible_gpus(devices: Optional[Sequence[Any]] = None) -> list[str]:
     if env is not None:
         entries = [e.strip() for e in env.split(",") if e.strip()]
         return [] if entries[:1] == ["-1"] else entries
-    import torch
+    import torch  # heavy: only to count the GPUs (Hydra's plugin scan imports this module)
 
     return [str(i) for i in range(torch.cuda.device_count())]
 
@@ -129,11 +138,6 @@ def run_unit(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, t
 def run_pack(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config) -> list[JobReturn]:
     """A pack's jobs, each an ordinary Hydra job, trained together (the module's docstring: three passes).
     Returns their JobReturns in order."""
-    from hydra._internal.callbacks import Callbacks
-    from hydra.types import HydraContext
-
-    from normlab.launch import app
-
     quiet = HydraContext(config_loader=hydra_context.config_loader, callbacks=Callbacks())
     configs, members, logs = [], [], []
     for idx, overrides in unit:  # pass 1: dirs, .hydra/, job logs, RunConfigs
@@ -147,19 +151,17 @@ def run_pack(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config) -
         if training:
             log.info(f"pack of {len(training)} jobs ({', '.join(training)}) trains as one packed model; "
                      "this log is in each of their job logs")
-        app.train_members(members)
+        train_members(members)
     returns = []
     for sweep_config, member in zip(configs, members):  # pass 3: callbacks and returns
-        returns.append(_run(hydra_context, lambda cfg, member=member: app.member_result(member), sweep_config))
+        returns.append(_run(hydra_context, lambda cfg, member=member: member_result(member), sweep_config))
     return returns
 
 
 def _prepare_member(cfg: DictConfig):
-    """Pass 1's task: the member (normlab.launch.app.pack_member) and its job log's files as Hydra opened them."""
-    from normlab.launch import app
-
+    """Pass 1's task: the member (normlab.launch.task.pack_member) and its job log's files as Hydra opened them."""
     files = [(h.baseFilename, h.formatter, h.level) for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
-    return app.pack_member(cfg), files
+    return pack_member(cfg), files
 
 
 @contextlib.contextmanager
@@ -186,9 +188,6 @@ def _also_logged_to(files: Sequence[tuple[str, Any, int]]):
 def pack_units(hydra_context, config, jobs: Sequence[tuple[int, Sequence[str]]]) -> list[list[tuple[int, Sequence[str]]]]:
     """The sweep's `jobs` ((job number, overrides) pairs) as units: normlab.config.packing.pack_groups of their configs,
     each composed as it will run. A job whose config cannot be built is a unit alone (it says why as it runs)."""
-    from normlab.config import RunConfig
-    from normlab.config.packing import pack_groups
-
     cfgs = []
     before = HydraConfig.instance().cfg
     try:
@@ -214,15 +213,11 @@ def asks_for_packs(config: DictConfig, job_overrides: Sequence[Sequence[str]]) -
 def _run_in_worker(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, task_function, singleton_state) -> list[JobReturn]:
     """A unit of jobs (run_unit) in a worker process; then the GPU memory it cached is handed back, so the
     slot's next unit (and its neighbours) get it."""
-    import gc
-
-    import torch
+    import torch  # heavy: only a worker, pinned to its GPU, loads it (Hydra's plugin scan imports this module)
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if torch.cuda.is_available():
         torch.cuda.set_per_process_memory_fraction(float(os.environ["NORMLAB_WORKER_MEMORY_FRACTION"]))
-    from omegaconf.basecontainer import BaseContainer
-
     setup_globals()
     # This process's resolvers: Hydra's (setup_globals) and normlab's (registered on unpickling the task).
     Singleton.set_state({**singleton_state, "omegaconf_resolvers": dict(BaseContainer._resolvers)})
@@ -238,10 +233,6 @@ def _picklable(ret: JobReturn) -> JobReturn:
     """The job's return, fit to travel back to the launcher: its configs as plain ones (a structured config's
     class, as Hydra's plugin scan loaded it here, is not the one pickle finds by name), and a failed job's
     exception as a RuntimeError with its text if the exception itself does not pickle."""
-    import pickle
-
-    from omegaconf import OmegaConf
-
     for name in ("cfg", "hydra_cfg"):
         value = getattr(ret, name, None)
         if value is not None:
@@ -302,14 +293,12 @@ class NormlabLauncher(BasicLauncher):
             loader.load_sweep_config = ComposedOnce(loader.load_sweep_config)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        import gc
-
         composed = self.hydra_context.config_loader.load_sweep_config
         try:
             with composed.launch() if isinstance(composed, ComposedOnce) else contextlib.nullcontext():
                 return self._launch(job_overrides, initial_job_idx)
         finally:
-            gc.unfreeze()  # what normlab.launch.app.settle_garbage froze for the sweep's jobs
+            gc.unfreeze()  # what normlab.launch.task.settle_garbage froze for the sweep's jobs
 
     def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         jobs = list(enumerate(job_overrides, start=initial_job_idx))
@@ -356,7 +345,7 @@ class NormlabLauncher(BasicLauncher):
         returns: dict[int, JobReturn] = {}
         stop: Optional[BaseException] = None
         # Resolvers are local functions, which do not pickle: a worker registers normlab's own when it
-        # unpickles the task (normlab.launch.app), and the sweep dir, the one value that names the launch
+        # unpickles the task (normlab.launch.task), and the sweep dir, the one value that names the launch
         # (${launch_time:}, ${uid:}), is resolved here, so every job lands in this sweep's dir.
         state = {k: v for k, v in Singleton.get_state().items() if k != "omegaconf_resolvers"}
         config = self.config.copy()

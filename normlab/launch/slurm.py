@@ -9,6 +9,8 @@ Two things that concern the person at the terminal, not the jobs:
   submitit raises halfway through the submission.
 - Where SLURM's accounting is disabled, submitit's sacct call fails on every poll and it logs
   "Bypassing sacct error" each time, and sacct prints its own error too: `quiet_sacct` stops both.
+
+`check_sweep` does both for `normlab train -m hydra/launcher=slurm ...`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf, open_dict
 
 # sbatch's reason (a fragment, lower case) → the launcher key that changes it, and the value to suggest.
 # The first match counts ("Invalid account or account/partition combination" is about the account).
@@ -113,7 +120,7 @@ def quiet_sacct() -> None:
         return
     logger.addFilter(_OnceSacctWarning())
     if accounting_disabled():
-        from submitit.slurm.slurm import SlurmJob
+        from submitit.slurm.slurm import SlurmJob  # submitit is optional (normlab[slurm]); SLURM sweeps have it
 
         SlurmJob.watcher._make_command = lambda: None  # the one watcher all of submitit's SLURM jobs share
         print("normlab: SLURM accounting is disabled: submitit follows the jobs through their result files", file=sys.stderr)
@@ -122,8 +129,7 @@ def quiet_sacct() -> None:
 def sbatch_params(launcher: dict) -> tuple[dict, dict]:
     """The (executor init, update_parameters) arguments hydra-submitit-launcher makes of `launcher`, the
     composed hydra.launcher node, so the pre-flight asks sbatch for what the sweep would."""
-    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-    from omegaconf import OmegaConf
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf  # optional (normlab[slurm])
 
     base = set(OmegaConf.structured(BaseQueueConf).keys())
     skip = {"_target_", "submitit_folder", "name", "max_num_timeout", "setup"}
@@ -158,11 +164,6 @@ def preflight(launcher: dict) -> str | None:
 def launcher_config(config_module: str, overrides: list[str], config_dirs: list[str]) -> dict | None:
     """The hydra.launcher node a multirun with `overrides` gets, resolved, when it is submitit's SLURM
     launcher; None for any other launcher, or when Hydra cannot compose it (Hydra then says why)."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf, open_dict
-
     # The launcher is one for the whole sweep: the swept keys do not change it, and compose refuses sweeps.
     parsed = OverridesParser.create().parse_overrides(overrides)
     overrides = [o.input_line for o in parsed if not o.is_sweep_override()]
@@ -182,3 +183,15 @@ def launcher_config(config_module: str, overrides: list[str], config_dirs: list[
         return None
     finally:
         GlobalHydra.instance().clear()
+
+
+def check_sweep(config_module: str, overrides: list[str], config_dirs: list[str]) -> str | None:
+    """For a sweep on submitit's SLURM launcher: SLURM's refusal of its settings as one line, else None
+    (and submitit's repeated sacct warnings shown once)."""
+    launcher = launcher_config(config_module, overrides, config_dirs)
+    if launcher is None:
+        return None
+    refusal = preflight(launcher)
+    if refusal is None:
+        quiet_sacct()
+    return refusal

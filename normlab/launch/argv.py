@@ -1,0 +1,56 @@
+"""`normlab train`'s command line as it reaches Hydra: Hydra's argument parser, whose refusal becomes one
+line; `+experiment=NAME` taken as `experiment=NAME`; and the `normlab` command's own word in shell
+completion, which Hydra cannot complete."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hydra._internal.utils import get_args_parser
+
+from normlab.util.errors import fail
+
+COMMANDS = ("train", "compare", "sample")
+
+
+def experiment_override(arg: str) -> str:
+    """`+experiment=NAME` as `experiment=NAME`: the defaults list has an experiment slot (null), so Hydra
+    would refuse to append one; lightning-hydra-template users type it either way."""
+    return arg[1:] if arg.startswith("+experiment=") else arg
+
+
+def parse_train_args(argv: list[str]) -> argparse.Namespace:
+    """`normlab train ARGS` parsed as Hydra parses its app's arguments; a refusal exits with one line."""
+    parser = get_args_parser()
+    parser.error = _refuse_arguments
+    return parser.parse_args(argv)
+
+
+def _refuse_arguments(message: str) -> None:
+    """Hydra's argument parser refuses the command line: one line instead of its usage text."""
+    stray = message.partition("unrecognized arguments:")[2].split()
+    if stray and all("=" in arg for arg in stray):  # overrides after an option: argparse takes overrides only once
+        hint = ": put -m and other options before the overrides (normlab train -m lr=1e-3,3e-3 norm=rms)"
+    else:
+        hint = ": `normlab train --help` lists the options"
+    sys.exit(fail(f"train: {message}{hint}"))
+
+
+def hydra_completes() -> bool:
+    """`normlab train -sc install=bash` (or `normlab -sc ...`): whether Hydra's completion answers, as
+    installed for the `normlab` command. The shell then asks `normlab -sc query=bash` with its line,
+    'normlab train norm=r': Hydra completes the line after 'train' (taken out of COMP_LINE here); on the
+    command's own word the commands are printed here, and the other commands' words are left to the shell."""
+    line = os.environ.get("COMP_LINE")
+    if line is None:
+        return True
+    words = line.split()
+    if len(words) < 2 or (len(words) == 2 and not line.endswith(" ")):
+        print(" ".join(COMMANDS))
+        return False
+    if words[1] != "train":
+        return False  # compare and sample take paths: the shell's own file completion applies
+    os.environ["COMP_LINE"] = line.replace(" train", "", 1)
+    return True

@@ -1,0 +1,264 @@
+"""What `normlab train` checks before Hydra starts, so that a mistake stops the command in one line
+before any job runs: `check_command` runs every check, cheapest first.
+
+Besides normlab.launch.overrides' checks of the command line and of each job's composition, these are:
+the values of config groups and top-level keys (check_values), resume paths (precheck), every job a
+sweep launches, as the configured sweeper expands it (sweep_jobs), composed and validated whole
+(check_jobs, with `norm.KNOB=...` overrides forced so that a knob the norm lacks is named in one line),
+and packs (check_packing). All raise ConfigError.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_config_search_path
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob
+from normlab.config.packing import pack_groups
+from normlab.launch.machine import check_machine
+from normlab.launch.overrides import check_command_line, check_composition
+
+CONFIG_MODULE = "normlab.conf"
+CONFIG_GROUPS = ("model", "norm", "data", "tokenizer", "optim", "experiment")
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+NORMLAB_LAUNCHER = "hydra_plugins.normlab_launcher.normlab_launcher.NormlabLauncher"
+
+
+def check_command(overrides: list[str], config_dirs: list[str], multirun: bool, config_name: str | None) -> list[str]:
+    """Everything `normlab train OVERRIDES` checks before Hydra starts, cheapest first: the command line
+    alone (overrides.check_command_line), its values and resume paths (precheck), each job's composition
+    (overrides.check_composition) and whole config (check_jobs), then whether this machine can run the
+    jobs (machine.check_machine; not for jobs a SLURM launcher runs elsewhere). Raises ConfigError.
+    Returns the overrides to add (precheck's)."""
+    check_command_line(overrides, config_dirs, multirun, CONFIG_MODULE, config_name)
+    added = precheck(overrides, config_dirs, multirun=multirun)
+    by_job: dict = {}
+    composed = check_composition(
+        [*overrides, *added], config_dirs, CONFIG_MODULE, config_name, sweep_jobs if multirun else None, by_job=by_job,
+    )
+    check_jobs(overrides, config_dirs, multirun, composed=by_job if config_name in (None, "config") else None)
+    check_machine(composed, multirun, local=not on_cluster(overrides), units_of=pack_groups)
+    return added
+
+
+def on_cluster(overrides: list[str]) -> bool:
+    """Whether the jobs run elsewhere, through a SLURM launcher: this machine's device and memory are not theirs."""
+    return any(o.startswith("hydra/launcher=") and "slurm" in o for o in overrides)
+
+
+def group_options(group: str, config_dirs: list[str]) -> set[str]:
+    """Option names of config group `group` in the packaged conf/ and in user config dirs."""
+    names: set[str] = set()
+    packaged = resources.files(CONFIG_MODULE) / group
+    if packaged.is_dir():
+        names |= {p.name[:-5] for p in packaged.iterdir() if p.name.endswith(".yaml")}
+    for d in config_dirs:
+        names |= {p.stem for p in (Path(d) / group).glob("*.yaml")}
+    return names
+
+
+def _check_value(key: str, value) -> None:
+    if key == "placement" and value not in PLACEMENTS:
+        raise ConfigError(f"placement={value!r} is not allowed: choose one of {', '.join(PLACEMENTS)}")
+    if key == "norm.name" and value not in NORMS:
+        raise ConfigError(f"norm.name={value!r} is not allowed: choose one of {', '.join(NORMS)}")
+    if key == "lr" and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+        raise ConfigError(f"lr={value!r}: must be a positive number")
+    if key == "depth" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ConfigError(f"depth={value!r}: must be an integer >= 1")
+    if key == "telemetry.every" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ConfigError(f"telemetry.every={value!r}: must be an integer >= 0 (0 turns telemetry off)")
+
+
+def _plain_values(override) -> list:
+    """The values one override sets without a config loader: its value, or a choice/range sweep's values.
+    Sweeps that need the sweeper (glob, interval) give none here: check_jobs checks their jobs."""
+    if not override.is_sweep_override():
+        return [override.value()]
+    try:
+        return list(override.sweep_iterator())
+    except Exception:  # glob() lists a group's options through the config loader; interval() is not a list
+        return []
+
+
+def check_values(overrides, config_dirs: list[str]) -> None:
+    """Reject unknown config-group options and bad top-level values among parsed `overrides`
+    (their plain values; see _plain_values). Raises ConfigError naming the value and what is allowed."""
+    for override in overrides:
+        key = override.key_or_group
+        if override.is_delete() or key == "resume":
+            continue
+        for value in _plain_values(override):
+            if key in CONFIG_GROUPS:
+                known = group_options(key, config_dirs)
+                if value not in known:
+                    raise ConfigError(f"{key}={value!r} is not a known option: choose one of {', '.join(sorted(known))}")
+            else:
+                _check_value(key, value)
+
+
+def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = False) -> list[str]:
+    """Reject unknown group options, bad values and bad resume paths on the command line before Hydra starts.
+
+    Sweep values that only Hydra's sweeper can list (glob, interval) are checked per job by check_jobs.
+    Returns overrides to add: `resume=PATH` continues that checkpoint's run in its own dir, so
+    unless `hydra.run.dir` is given, one pointing there.
+    """
+    # torch (through the checkpoint module): not for `normlab train --help`, which imports this module.
+    from normlab.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, run_dir_of
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    check_values(parsed, config_dirs)
+    extra: list[str] = []
+    for override in (o for o in parsed if o.key_or_group == "resume" and not o.is_delete()):
+        values = _plain_values(override)
+        paths = [v for v in values if v is not None and v != "auto"]
+        if paths and (multirun or len(values) > 1):
+            raise ConfigError(f"resume={paths[0]}: a checkpoint path resumes one run, not a sweep: use resume=auto")
+        for path in paths:
+            if not isinstance(path, str) or not path.strip():
+                raise ConfigError(f"resume={path!r}: choose null, auto or a checkpoint path")
+            try:
+                checkpoint = find_checkpoint(path)
+                Checkpoint.load(checkpoint)  # a bad file stops here, before Hydra makes a run dir
+            except CheckpointError as err:
+                raise ConfigError(str(err)) from None
+            run_dir = run_dir_of(checkpoint)
+            if run_dir is not None and not any(o.key_or_group == "hydra.run.dir" for o in parsed):
+                extra.append("hydra.run.dir=" + _quoted(str(run_dir)))
+    return extra
+
+
+def _quoted(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def sweep_jobs(overrides: list[str], config_loader=None) -> list[list[str]]:
+    """The override lists of the jobs Hydra's BasicSweeper launches for `overrides` (its sweeper params
+    first), expanded by the sweeper's own split logic: choice, range and, given the config loader, glob.
+    Raises ConfigError for a sweep the basic sweeper cannot expand (interval: a search sweeper's)."""
+    parsed = OverridesParser.create(config_loader=config_loader).parse_overrides(overrides)
+    try:
+        [jobs] = BasicSweeper.split_arguments(parsed, None)
+    except HydraException as err:
+        swept = next(o for o in parsed if o.is_sweep_override() and not o.is_discrete_sweep())
+        raise ConfigError(f"{swept.input_line}: {err}; a search sweeper expands it (hydra/sweeper=lr_search or optuna)") from None
+    return jobs
+
+
+def _search_sweep_checks(parser, overrides: list[str], config_dirs: list[str]) -> list[list[str]]:
+    """For a search sweeper (Optuna), which draws its trials as it goes: check each listed value of the
+    discrete sweeps on its own, and return the one job of the fixed part to compose. Each trial's whole
+    config is checked as the trial starts (task.train_job), before anything heavy."""
+    parsed = parser.parse_overrides(overrides)
+    for override in parsed:
+        if override.is_discrete_sweep():
+            for value in override.sweep_string_iterator():
+                check_values(parser.parse_overrides([f"{override.get_key_element()}={value}"]), config_dirs)
+    return [[o.input_line for o in parsed if not o.is_sweep_override()]]
+
+
+def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool, composed: dict | None = None) -> None:
+    """Compose every job the command line asks for and validate its whole config.
+
+    So a bad value in a sweep list, or a combination that makes no sense (placement=deepnorm with
+    norm=none, ...), stops the command before any job runs, instead of aborting a sweep halfway.
+    A multirun's jobs are those the configured sweeper makes: the basic sweeper's are expanded by its
+    own split logic (with the sweeps a preset puts in hydra.sweeper.params); a search sweeper's fixed
+    part is checked here and each trial as it starts. A `norm.KNOB=...` override must name a knob that
+    each job's norm reads. Jobs with pack=true must be packable (check_packing). Raises ConfigError
+    naming the first bad job. A config Hydra itself cannot compose is left for Hydra to report when it runs.
+    `composed`: configs already composed (overrides.check_composition's `by_job`), reused for the jobs they match.
+    """
+    # The search path `normlab train` gets: the packaged conf/, then any --config-dir, as Hydra adds it.
+    search_path = create_config_search_path("pkg://" + CONFIG_MODULE)
+    for d in config_dirs:
+        search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
+    plugins: dict[str, str] = {}  # a multirun's hydra/launcher and hydra/sweeper: choice, _target_
+    try:
+        hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
+        jobs = [list(overrides)]
+        if multirun:
+            forced = _norm_knob_overrides(list(overrides))[1]
+            sweep_cfg = hydra.compose_config("config", forced, run_mode=RunMode.MULTIRUN, from_shell=True)
+            for plugin in ("launcher", "sweeper"):
+                plugins[plugin] = sweep_cfg.hydra.runtime.choices.get(f"hydra/{plugin}")
+                plugins[plugin + "_target"] = sweep_cfg.hydra[plugin].get("_target_")
+            params = [f"{k}={v}" for k, v in (sweep_cfg.hydra.sweeper.get("params") or {}).items()]
+            if sweep_cfg.hydra.sweeper.get("_target_") == BASIC_SWEEPER:
+                jobs = sweep_jobs(params + list(overrides), hydra.config_loader)
+            else:
+                jobs = _search_sweep_checks(OverridesParser.create(config_loader=hydra.config_loader), list(overrides), config_dirs)
+        cfgs = [_check_job(hydra, job, config_dirs, multirun, RunConfig, composed or {}) for job in jobs]
+    except ConfigError:
+        raise
+    except Exception:
+        return  # Hydra reports what it cannot compose in its own words when it runs
+    finally:
+        GlobalHydra.instance().clear()
+    check_packing(cfgs, plugins)
+
+
+def check_packing(cfgs: list, plugins: dict[str, str]) -> None:
+    """ConfigError (one line) unless the jobs `cfgs` (RunConfigs) that ask for pack=true can train as packs:
+    in a multirun only normlab's launcher packs (another would train them unpacked, silently) and only a
+    grid sweep's jobs (Hydra's basic sweeper; a search sweeper launches a trial or two at a time), and each
+    pack must be one that normlab.train.pack.check_pack accepts (it refuses torchrun, fp16, compile=true, ...).
+    `plugins` holds a multirun's launcher and sweeper (check_jobs); {} for a single run."""
+    if not any(cfg.pack for cfg in cfgs):
+        return
+    if plugins and plugins["launcher_target"] != NORMLAB_LAUNCHER:
+        raise ConfigError(f"pack=true with hydra/launcher={plugins['launcher']}: only normlab's launcher "
+                          "(hydra/launcher=normlab, the default) packs a sweep's jobs; drop pack=true to run them unpacked")
+    if plugins and plugins["sweeper_target"] != BASIC_SWEEPER:
+        raise ConfigError(f"pack=true with hydra/sweeper={plugins['sweeper']}: only a grid sweep's jobs (Hydra's basic "
+                          "sweeper) are packed, a search sweeper launches its trials one batch at a time; drop pack=true")
+    from normlab.train.pack import check_pack  # torch, for a sweep with pack=true only
+
+    for group in pack_groups(cfgs):
+        if cfgs[group[0]].pack:
+            check_pack([cfgs[i] for i in group])
+
+
+def _norm_knob_overrides(job: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """The `norm.KNOB=VALUE` overrides of `job` as (knob, value), and `job` with them forced (`++`).
+
+    Forced, they compose even where the chosen norm's file lacks the knob (Hydra would stop with its
+    own multi-line error), so `check_jobs` can say in one line which knobs that norm has.
+    """
+    knobs, forced = [], []
+    for text, override in zip(job, OverridesParser.create().parse_overrides(job)):
+        key = override.key_or_group
+        if key.startswith("norm.") and key != "norm.name" and not override.is_delete() and override.package is None:
+            value = text.split("=", 1)[1]  # as typed: norm.weight=false, not False
+            knobs.append((key[len("norm.") :], value))
+            text = f"++{key}={value}"
+        forced.append(text)
+    return knobs, forced
+
+
+def _check_job(hydra, job: list[str], config_dirs: list[str], multirun: bool, run_config, composed: dict):
+    """Check one job's values, compose its config (or take it from `composed`, by the overrides it was
+    composed with) and validate it; returns its RunConfig. ConfigError names the job in a sweep."""
+    where = f" (in the sweep's job {' '.join(job)})" if multirun else ""
+    try:
+        check_values(OverridesParser.create().parse_overrides(job), config_dirs)
+        knobs, forced = _norm_knob_overrides(job)
+        cfg = composed.get(tuple(forced)) or hydra.compose_config("config", forced, run_mode=RunMode.RUN, from_shell=True)
+        raw = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True)
+        if raw.get("norm", {}).get("name") in NORM_TRAITS:
+            for knob, value in knobs:
+                check_norm_knob(raw["norm"]["name"], knob, value)
+        return run_config.from_dict(raw)
+    except ConfigError as err:
+        raise ConfigError(f"{err}{where}") from None

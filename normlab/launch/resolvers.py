@@ -1,0 +1,45 @@
+"""The OmegaConf resolvers normlab's packaged config uses: ${launch_time:FORMAT}, ${uid:}, ${lr_label:${lr}}
+and ${run_name:}. `register_resolvers` registers them; nothing registers them at import of this module."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from datetime import datetime
+
+from omegaconf import DictConfig, OmegaConf
+
+from normlab.config import ConfigError, RunConfig, format_lr
+
+
+def register_resolvers(stamp: tuple[float, str] | None = None) -> None:
+    """Resolvers the packaged config uses: ${launch_time:FORMAT} and ${uid:} (the launch's time and
+    id, which name its output dirs), ${lr_label:${lr}} and ${run_name:}.
+
+    `stamp` = (unix time, id) pins the first two (torchrun ranks pass rank 0's); without it each
+    process draws its own once. Both are cached, and Hydra copies the cache into every sweep job
+    (and submitit pickles it with the launcher), so one launch, and a requeued job, keeps its dirs.
+    """
+    if stamp is not None or not OmegaConf.has_resolver("uid"):
+        launched, uid = stamp or (time.time(), secrets.token_hex(3))
+        OmegaConf.register_new_resolver("uid", lambda: uid, use_cache=True, replace=True)
+        OmegaConf.register_new_resolver(
+            "launch_time", lambda fmt: datetime.fromtimestamp(launched).strftime(fmt), use_cache=True, replace=True
+        )
+    if not OmegaConf.has_resolver("lr_label"):
+        OmegaConf.register_new_resolver("lr_label", lambda lr: format_lr(float(lr)))
+    if not OmegaConf.has_resolver("run_name"):
+        OmegaConf.register_new_resolver("run_name", _run_name)
+
+
+def _run_name(*, _root_: DictConfig) -> str:
+    """${run_name:}: the job's run name (RunConfig.run_name), so run dirs and wandb runs share it."""
+    raw = {
+        key: OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        for key, value in _root_.items()
+        if key != "hydra"  # the hydra node holds the dir being named
+    }
+    try:
+        return RunConfig.from_dict(raw, validate=False).run_name
+    except ConfigError:
+        return "invalid-config"  # the job itself then stops with the one-line error

@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import OmegaConf, open_dict
+
 from normlab.config import BYTE_VOCAB, ConfigError, RunConfig
 
 GIB = 2**30
@@ -64,7 +66,7 @@ def physical_memory() -> int | None:
 
 def check_device(name: str) -> str:
     """The device type a run of `device=name` trains on ('cpu' or 'cuda'); ConfigError if it is not here."""
-    import torch
+    import torch  # seconds to import: only for the device check, not for `normlab train --help`
 
     if name == "cuda" and not torch.cuda.is_available():
         built = torch.version.cuda or "no CUDA"
@@ -82,7 +84,7 @@ def check_memory(cfgs: list[RunConfig], device: str, units: list[list[int]] | No
     runs that train together in one process, as positions in `cfgs` (a pack's members: their estimates
     add up); None when each run trains alone."""
     if device == "cuda":
-        import torch
+        import torch  # seconds to import: only for the device check, not for `normlab train --help`
 
         available, where = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0], "free on the CUDA device"
     else:
@@ -138,8 +140,6 @@ def check_machine(composed: list, multirun: bool, local: bool, units_of=None) ->
     through a launcher), the device exists (a sweep's job on a missing device fails alone, when it runs)
     and each run's memory estimate fits, a pack's members' together. `units_of(cfgs)`: the runs of `cfgs`
     (RunConfigs) that train together, as lists of positions (normlab.config.packing.pack_groups); None: each alone."""
-    from omegaconf import OmegaConf, open_dict
-
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     try:
         out_dir = str(OmegaConf.select(composed[0], key)) if composed else None
@@ -164,6 +164,6 @@ def check_machine(composed: list, multirun: bool, local: bool, units_of=None) ->
 
 
 def _has_cuda() -> bool:
-    import torch
+    import torch  # seconds to import: only for the device check, not for `normlab train --help`
 
     return torch.cuda.is_available()

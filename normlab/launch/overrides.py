@@ -13,6 +13,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_config_search_path
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
+from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
 from normlab.config import NORM_TRAITS, ConfigError, check_norm_knob, schema_keys, unknown_key_message
@@ -32,10 +39,6 @@ PLUGIN_GROUPS = ("hydra/launcher", "hydra/sweeper")
 
 def _loader(config_module: str, config_dirs: list[str]):
     """Hydra's config loader over the search path `normlab train` gets: the packaged conf/, then --config-dir."""
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path
-    from hydra.core.config_search_path import SearchPathQuery
-
     search_path = create_config_search_path("pkg://" + config_module)
     for d in config_dirs:
         search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
@@ -43,9 +46,6 @@ def _loader(config_module: str, config_dirs: list[str]):
 
 
 def _parse(overrides: list[str]) -> list:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
     parser = OverridesParser.create()
     parsed = []
     for line in overrides:
@@ -74,8 +74,6 @@ def check_command_line(
     """What the command line alone shows: a missing --config-dir or --config-name, an override Hydra cannot
     parse, a sweep without -m, a launcher or sweeper whose plugin is not installed, and a key the schema
     does not have."""
-    from hydra.core.global_hydra import GlobalHydra
-
     for d in config_dirs:
         if not Path(d).is_dir():
             raise ConfigError(f"--config-dir={d}: no such directory: give a directory that holds config group dirs (norm/, model/, ...)")
@@ -130,14 +128,11 @@ def check_composition(
     options that have it; a `+key` that is already set says to drop the +. What the overrides alone
     show is check_command_line's.
 
-    `expand(overrides, config_loader)` lists a multirun's jobs (app.sweep_jobs); where it cannot (a
+    `expand(overrides, config_loader)` lists a multirun's jobs (prechecks.sweep_jobs); where it cannot (a
     search sweeper's interval), the overrides' fixed part is composed. None: one job, `overrides`.
     `by_job`, when given, receives each composed config under its job's overrides (a tuple), so a
     later check reuses it instead of composing the job again (0.2 s a job).
     """
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
-
     composed = []
     try:
         loader = _loader(config_module, config_dirs)
@@ -162,8 +157,6 @@ def check_composition(
 
 def _explain(err: Exception, job: list[str], parsed: list, loader, groups: set[str], config_name: str) -> str:
     """One line for Hydra's refusal `err` of `job`."""
-    from hydra.types import RunMode
-
     message = str(err)
     for override in parsed:
         key, line = override.key_or_group, override.input_line

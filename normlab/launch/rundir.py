@@ -16,20 +16,20 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_config_search_path
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
 from normlab.config import ConfigError, RunConfig
+from normlab.train.sinks import RunDir, RunDirBusy
 
 
 def compose_run(overrides: list[str], config_dirs: list[str], config_module: str) -> tuple[RunConfig, Path] | None:
     """The config and run dir Hydra will give the single run `overrides` asks for; None if Hydra cannot
     compose it or the config is invalid (Hydra and the config check then say so in their own words)."""
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path
-    from hydra.core.config_search_path import SearchPathQuery
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
-
     search_path = create_config_search_path("pkg://" + config_module)
     for d in config_dirs:
         search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
@@ -50,8 +50,9 @@ def compose_run(overrides: list[str], config_dirs: list[str], config_module: str
 def claim(overrides: list[str], config_dirs: list[str], config_module: str):
     """For a single run whose run dir exists: hold its lock for the duration, after checking that the
     run may start there. Raises ConfigError (one line) for what would refuse it, before Hydra writes."""
+    # torch: not for `normlab train --help`, which imports this module
     from normlab.train.checkpoint import CheckpointError, resolve_resume
-    from normlab.train.sinks import RunDir, RunDirBusy
+    from normlab.train.run import check_resumable
 
     if not config_dirs and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in overrides):
         yield  # the packaged config names each run's dir by its launch time and id: a new dir
@@ -61,8 +62,6 @@ def claim(overrides: list[str], config_dirs: list[str], config_module: str):
         yield  # a new run dir: nothing in it to protect
         return
     cfg, path = composed
-    from normlab.train.run import check_resumable
-
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(RunDir(path).lock())
@@ -77,8 +76,7 @@ def claim(overrides: list[str], config_dirs: list[str], config_module: str):
 def record_failure(run_dir: str | os.PathLike, cfg: RunConfig, err: BaseException) -> None:
     """summary.json of a sweep job that could not start (status failed, with the error), so the sweep's
     records say what happened to it; metrics and checkpoints stay as they were."""
-    from normlab.train.sinks import RunDir
-    from normlab.train.run import summary_head
+    from normlab.train.run import summary_head  # torch: not for `normlab train --help`, which imports this module
 
     RunDir(run_dir).write_summary({**summary_head(cfg), "status": "failed", "error": f"{type(err).__name__}: {err}"})
 

@@ -15,7 +15,9 @@ import math
 import os
 from pathlib import Path
 
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 
 LOG_NAME = "sweep.log"
 
@@ -118,9 +120,6 @@ class SweepReport(Callback):
     """Hydra callback: in a multirun, a line per job as it ends and the sorted table when the sweep ends."""
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
-        from hydra.core.utils import JobStatus
-        from hydra.types import RunMode
-
         if config.hydra.mode != RunMode.MULTIRUN:
             return
         fallback = "completed" if job_return.status == JobStatus.COMPLETED else "failed"

@@ -47,11 +47,6 @@ from normlab.train.sinks import RunDir, Sink, SinkContext, finish_all, open_sink
 from normlab.train.state import TrainState
 
 
-def run_name(cfg: RunConfig) -> str:
-    """cfg.run_name (kept while the launch layer still calls it)."""
-    return cfg.run_name
-
-
 def train(
     cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None, callbacks: Sequence[Callback] = ()
 ) -> dict[str, Any]:

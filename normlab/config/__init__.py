@@ -28,23 +28,14 @@ from normlab.config.registry import (  # noqa: F401 (re-exported)
     check_norm_knob,
     norm_traits,
 )
-
-
-INITS = ("normal", "xavier")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-DEVICES = ("auto", "cpu", "cuda")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes; reduce-overhead: CUDA graphs
-DATA_SOURCES = ("stdlib", "text", "hf")
-TOKENIZERS = ("byte", "bpe", "hf")
-BPE_VOCAB_RANGE = (257, 65536)  # the 256 bytes plus at least one merge; ids fit in uint16
-WANDB_MODES = ("offline", "online", "disabled")
-SEED_RANGE = (0, 2**32 - 1)  # what numpy and torch take as a seed
-BYTE_VOCAB = 256  # the byte tokenizer's ids
-WANDB_PROJECT_MAX = 128  # wandb's limits on a project name and on each tag
-WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
-WANDB_TAG_MAX = 64
-WANDB_UNREACHABLE = ("offline", "stop")
-RESUME_CHOICES = "choose null (start fresh), auto (the newest checkpoint in the run dir, if any) or a checkpoint path"
+from normlab.config.validate import (  # noqa: F401 (re-exported)
+    BPE_VOCAB_RANGE,
+    BYTE_VOCAB,
+    RESUME_CHOICES,
+    TOKENIZERS,
+    is_number,
+    validate_run,
+)
 
 
 def bookkeeping(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
@@ -250,206 +241,8 @@ class RunConfig:
         return self.norm
 
     def validate(self) -> None:
-        _choice("norm.name", self.norm.name, tuple(NORM_TRAITS))
-        _choice("placement", self.placement, tuple(PLACEMENT_TRAITS))
-        _choice("init", self.init, INITS)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("device", self.device, DEVICES)
-        _choice("compile_mode", self.compile_mode, COMPILE_MODES)
-        _choice("data.source", self.data.source, DATA_SOURCES)
-        if self.wandb.mode is not None:
-            _choice("wandb.mode", self.wandb.mode, WANDB_MODES)
-        _choice("wandb.on_unreachable", self.wandb.on_unreachable, WANDB_UNREACHABLE)
-        _positive("wandb.init_timeout", self.wandb.init_timeout)
-        for sink in self.sinks:
-            if not isinstance(sink, str) or sink not in SINK_NAMES:
-                raise ConfigError(f"sinks={self.sinks}: unknown sink {sink!r}; choose from {', '.join(SINK_NAMES)}")
-        _positive("lr", self.lr)
-        _positive("norm.eps", self.norm.eps)
-        _at_least("depth", self.depth, 1)
-        _at_least("model.d_model", self.model.d_model, 1)
-        _at_least("model.n_head", self.model.n_head, 1)
-        _at_least("model.mlp_ratio", self.model.mlp_ratio, 1)
-        _at_least("model.context", self.model.context, 1)
-        _at_least("batch_size", self.batch_size, 1)
-        _at_least("grad_accum", self.grad_accum, 1)
-        _at_least("seq_len", self.seq_len, 1)
-        _at_least("max_steps", self.max_steps, 1)
-        _at_least("eval_every", self.eval_every, 0)
-        _at_least("eval_batches", self.eval_batches, 1)
-        _at_least("log_every", self.log_every, 1)
-        _at_least("optim.warmup_steps", self.optim.warmup_steps, 0)
-        _at_least("ckpt.every", self.ckpt.every, 0)
-        _at_least("ckpt.keep", self.ckpt.keep, 1)
-        if self.resume is not None and not self.resume.strip():
-            raise ConfigError(f"resume={self.resume!r}: {RESUME_CHOICES}")
-        if self.overwrite and self.resume not in (None, "auto"):
-            raise ConfigError(f"overwrite=true starts the run over, resume={self.resume} continues one: choose one of them")
-        for key in ("alpha_attn", "alpha_mlp", "alpha_final"):
-            _positive(f"norm.{key}", getattr(self.norm, key))
-        if not 0.0 <= self.mix_p <= 1.0:
-            raise ConfigError(f"mix_p={self.mix_p}: must be between 0 and 1 (the fraction of post-norm blocks)")
-        if self.telemetry.every < 0:
-            raise ConfigError(f"telemetry.every={self.telemetry.every}: must be an integer >= 0 (0 turns telemetry off)")
-        if not 0.0 <= self.norm.momentum <= 1.0:
-            raise ConfigError(f"norm.momentum={self.norm.momentum}: must be between 0 and 1")
-        if not 0.0 <= self.optim.min_lr_ratio <= 1.0:
-            raise ConfigError(f"optim.min_lr_ratio={self.optim.min_lr_ratio}: must be between 0 and 1")
-        if self.diverge_factor < 0:
-            raise ConfigError(f"diverge_factor={self.diverge_factor}: must be >= 0 (0: only NaN/inf counts)")
-        if self.optim.grad_clip < 0:
-            raise ConfigError(f"optim.grad_clip={self.optim.grad_clip}: must be >= 0 (0 turns clipping off)")
-        if self.optim.weight_decay < 0:
-            raise ConfigError(f"optim.weight_decay={self.optim.weight_decay}: must be >= 0")
-        if not 0.0 < self.data.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction={self.data.val_fraction}: must be between 0 and 1, exclusive")
-        if self.model.d_model % self.model.n_head:
-            raise ConfigError(
-                f"model.d_model={self.model.d_model} is not divisible by model.n_head={self.model.n_head}: "
-                "choose a head count that divides the width"
-            )
-        if self.batch_size % self.grad_accum:
-            raise ConfigError(
-                f"batch_size={self.batch_size} does not split into grad_accum={self.grad_accum} equal "
-                "micro-batches: choose grad_accum that divides batch_size"
-            )
-        if self.seq_len > self.model.context:
-            raise ConfigError(
-                f"seq_len={self.seq_len} is larger than the model's context (model.context={self.model.context}): "
-                "lower seq_len or raise model.context"
-            )
-        self._validate_norm_knobs()
-        self._validate_combination()
-        self._validate_data()
-        self._validate_limits()
-        if self.data.source == "text" and not self.data.files:
-            raise ConfigError("data.files is empty: data=text needs data.files=[path, ...]")
-        if self.data.source == "hf" and not self.data.name:
-            raise ConfigError("data.name is not set: data=hf needs data.name=<hub dataset name>")
-
-    def _validate_data(self) -> None:
-        """The tokenizer and the data keys that depend on the source."""
-        _choice("tokenizer.kind", self.tokenizer.kind, TOKENIZERS)
-        low, high = BPE_VOCAB_RANGE
-        if self.tokenizer.kind == "bpe" and not low <= self.tokenizer.vocab_size <= high:
-            raise ConfigError(
-                f"tokenizer.vocab_size={self.tokenizer.vocab_size}: a byte-level BPE needs between {low} "
-                f"(the 256 bytes and one merge) and {high} tokens"
-            )
-        if self.tokenizer.kind == "hf" and not self.tokenizer.name:
-            raise ConfigError("tokenizer.name is not set: tokenizer=hf needs tokenizer.name=<hub name or local path>, e.g. gpt2")
-        if self.data.max_bytes is not None and self.data.max_bytes < 1:
-            raise ConfigError(f"data.max_bytes={self.data.max_bytes}: must be an integer >= 1, or null for all the text")
-        if self.data.streaming and self.data.source != "hf":
-            raise ConfigError(f"data.streaming=true with data={self.data.source}: only data=hf streams")
-        if self.data.streaming and self.data.max_bytes is None:
-            raise ConfigError(
-                "data.streaming=true needs data.max_bytes=N: a stream has no end to stop at "
-                "(e.g. data.max_bytes=100000000 for 100 MB of text)"
-            )
-        if self.data.val_split not in (None, "auto") and self.data.source != "hf":
-            raise ConfigError(
-                f"data.val_split={self.data.val_split!r} with data={self.data.source}: only data=hf has named splits; "
-                "use data.val_fraction"
-            )
-
-    def _validate_limits(self) -> None:
-        """Values the libraries below would refuse with a traceback, or ignore: checked here, in one line each."""
-        low, high = SEED_RANGE
-        if not low <= self.seed <= high:
-            raise ConfigError(f"seed={self.seed}: must be an integer between {low} and 2**32-1 ({high})")
-        betas = self.optim.betas
-        if len(betas) != 2 or not all(_is_number(b) and 0.0 <= b < 1.0 for b in betas):
-            raise ConfigError(f"optim.betas={betas}: AdamW takes two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
-        if self.optim.eps < 0:
-            raise ConfigError(f"optim.eps={self.optim.eps}: must be >= 0")
-        tokenizer_vocab = {"byte": BYTE_VOCAB, "bpe": self.tokenizer.vocab_size}.get(self.tokenizer.kind)
-        if self.model.vocab_size is not None:
-            _at_least("model.vocab_size", self.model.vocab_size, 1)
-            if tokenizer_vocab is not None and self.model.vocab_size < tokenizer_vocab:
-                raise ConfigError(
-                    f"model.vocab_size={self.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                    f"({tokenizer_vocab} ids, tokenizer={self.tokenizer.kind}): set model.vocab_size=null to follow "
-                    f"the tokenizer, or at least {tokenizer_vocab}"
-                )
-        for key, source in (("files", "text"), ("name", "hf"), ("config_name", "hf")):
-            if getattr(self.data, key) and self.data.source != source:
-                raise ConfigError(
-                    f"data.{key} is set, but data={self.data.source} does not read it: add data={source} "
-                    f"(data.{key} belongs to data={source})"
-                )
-        if self.tokenizer.name and self.tokenizer.kind != "hf":
-            raise ConfigError(
-                f"tokenizer.name is set, but tokenizer={self.tokenizer.kind} does not read it: add tokenizer=hf"
-            )
-        check_wandb_names(self.wandb.project, self.wandb.tags)
-
-    def _validate_norm_knobs(self) -> None:
-        """A knob the norm does not read must keep its default: a set one would be silently ignored.
-
-        A knob at its default is fine, so a config that lists every knob (a saved run's) still loads.
-        """
-        defaults = NormConfig()
-        for f in fields(NormConfig):
-            value = getattr(self.norm, f.name)
-            if f.name != "name" and value != getattr(defaults, f.name):
-                check_norm_knob(self.norm.name, f.name, value)
-
-    def _validate_combination(self) -> None:
-        """Reject norm × placement × QK-norm combinations that make no sense, saying why."""
-        norm, traits = self.norm.name, NORM_TRAITS[self.norm.name]
-        if PLACEMENT_TRAITS[self.placement].deepnorm and not traits.classes:
-            raise ConfigError(
-                f"placement={self.placement} with norm={norm}: DeepNorm up-weights the residual by α=(2N)^(1/4) in "
-                "every sublayer and relies on the norm after each add to undo it; choose a norm, or placement=post"
-            )
-        qk_norms = ", ".join(n for n, t in NORM_TRAITS.items() if t.classes and t.per_token and t.gains)
-        if self.qk_norm and not traits.per_token:
-            raise ConfigError(
-                f"qk_norm=true with norm={norm}: {traits.title} is not a per-token norm, so it has no per-head form "
-                f"for queries and keys; use a per-token norm ({qk_norms}) or qk_norm=false"
-            )
-        if self.qk_norm and traits.classes and not traits.gains:
-            raise ConfigError(
-                f"qk_norm=true with norm={norm}: normalized queries and keys with no learnable gain have a fixed "
-                "length, which bounds every attention logit, so attention cannot sharpen; use a norm with a "
-                f"learnable gain ({qk_norms}) or qk_norm=false"
-            )
-        if traits.batch_statistics:
-            self._validate_stat_rows()
-
-    def _validate_stat_rows(self) -> None:
-        """BatchNorm's statistic groups: stat_rows sequences that divide the micro-batch, at least two values each."""
-        rows = self.norm.stat_rows
-        if rows is not None and (rows < 1 or self.micro_batch_size % rows):
-            raise ConfigError(
-                f"norm.stat_rows={rows}: must divide the micro-batch of {self.micro_batch_size} sequences "
-                f"(batch_size/grad_accum), or be null for the whole micro-batch"
-            )
-        # Each statistic needs at least two values: over the group at one position when causal,
-        # over the group × time otherwise.
-        values = (rows or self.micro_batch_size) * (1 if self.norm.causal else self.seq_len)
-        if values < 2:
-            group = f"groups of norm.stat_rows={rows} sequences" if rows else "micro-batch"
-            where = f"per position, over the {group}" if self.norm.causal else f"over {group} × time"
-            raise ConfigError(
-                f"norm={self.norm.label} takes its statistics {where}, which holds {values} value here: "
-                "raise norm.stat_rows or batch_size/grad_accum (the micro-batch size) to at least 2"
-            )
-
-
-def check_wandb_names(project: str | None, tags: list) -> None:
-    """wandb's own rules for a project name and tags (wandb.sdk.wandb_settings), checked before a run starts.
-    A null project is wandb's own setting (WANDB_PROJECT) or normlab's default, both left to wandb."""
-    bad = sorted(set(WANDB_PROJECT_FORBIDDEN) & set(project or ""))
-    if project is not None and (not project or len(project) > WANDB_PROJECT_MAX or bad):
-        raise ConfigError(
-            f"wandb.project={project!r}: a wandb project name has 1 to {WANDB_PROJECT_MAX} characters, none of "
-            f"{' '.join(WANDB_PROJECT_FORBIDDEN)}" + (f" (found {' '.join(bad)})" if bad else "")
-        )
-    for tag in tags:
-        if not isinstance(tag, (str, int, float)) or isinstance(tag, bool) or not 1 <= len(str(tag)) <= WANDB_TAG_MAX:
-            raise ConfigError(f"wandb.tags: tag {tag!r} is not allowed: a wandb tag is a string of 1 to {WANDB_TAG_MAX} characters")
+        """ConfigError, one line, for the first value that cannot be trained (normlab.config.validate)."""
+        validate_run(self)
 
 
 def schema_keys(cls: type | None = None, prefix: str = "") -> tuple[str, ...]:
@@ -543,25 +336,6 @@ def _bookkeeping_keys(cls: type, prefix: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _choice(key: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not allowed: choose one of {', '.join(allowed)}")
-
-
-def _positive(key: str, value: float) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{key}={value}: must be a positive number")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _at_least(key: str, value: int, low: int) -> None:
-    if value < low:
-        raise ConfigError(f"{key}={value}: must be an integer >= {low}")
-
-
 def _build(cls: type, raw: Mapping[str, Any], prefix: str):
     """Instantiate dataclass `cls` from `raw`, checking each field's type."""
     if not isinstance(raw, Mapping):
@@ -595,9 +369,9 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
             return value
         raise ConfigError(f"{key}={value!r}: must be an integer")
     if base is float:
-        if _is_number(value) and math.isfinite(value):
+        if is_number(value) and math.isfinite(value):
             return float(value)
-        if _is_number(value):
+        if is_number(value):
             raise ConfigError(f"{key}={value}: must be a finite number (not nan or inf)")
         raise ConfigError(f"{key}={value!r}: must be a number")
     if base is str:

@@ -1,0 +1,295 @@
+"""What a trainable run configuration is: the values each key may take, and every check of
+`RunConfig.validate`, each raising ConfigError with one line that names the key and what is allowed.
+
+The checks take the run's config (a `normlab.config.schema.RunConfig`) as their argument; the schema
+calls them, so this module does not import it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Any
+
+from normlab.config.errors import ConfigError
+from normlab.config.registry import NORM_TRAITS, PLACEMENT_TRAITS, SINK_NAMES, check_norm_knob
+
+INITS = ("normal", "xavier")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes; reduce-overhead: CUDA graphs
+DATA_SOURCES = ("stdlib", "text", "hf")
+TOKENIZERS = ("byte", "bpe", "hf")
+BPE_VOCAB_RANGE = (257, 65536)  # the 256 bytes plus at least one merge; ids fit in uint16
+WANDB_MODES = ("offline", "online", "disabled")
+SEED_RANGE = (0, 2**32 - 1)  # what numpy and torch take as a seed
+BYTE_VOCAB = 256  # the byte tokenizer's ids
+WANDB_PROJECT_MAX = 128  # wandb's limits on a project name and on each tag
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+WANDB_TAG_MAX = 64
+WANDB_UNREACHABLE = ("offline", "stop")
+RESUME_CHOICES = "choose null (start fresh), auto (the newest checkpoint in the run dir, if any) or a checkpoint path"
+
+
+def validate_run(cfg: Any) -> None:
+    """Every check of a RunConfig, in this order: the first that fails raises ConfigError."""
+    check_choices(cfg)
+    check_records(cfg)
+    check_sizes(cfg)
+    check_resume(cfg)
+    check_ranges(cfg)
+    check_shapes(cfg)
+    check_norm_knobs(cfg)
+    check_combination(cfg)
+    check_data(cfg)
+    check_limits(cfg)
+    check_data_source(cfg)
+
+
+def check_choices(cfg: Any) -> None:
+    """Keys that name one of a fixed set of options."""
+    _choice("norm.name", cfg.norm.name, tuple(NORM_TRAITS))
+    _choice("placement", cfg.placement, tuple(PLACEMENT_TRAITS))
+    _choice("init", cfg.init, INITS)
+    _choice("precision", cfg.precision, PRECISIONS)
+    _choice("device", cfg.device, DEVICES)
+    _choice("compile_mode", cfg.compile_mode, COMPILE_MODES)
+    _choice("data.source", cfg.data.source, DATA_SOURCES)
+
+
+def check_records(cfg: Any) -> None:
+    """Where the run's records go: wandb's mode and connection, and the sinks."""
+    if cfg.wandb.mode is not None:
+        _choice("wandb.mode", cfg.wandb.mode, WANDB_MODES)
+    _choice("wandb.on_unreachable", cfg.wandb.on_unreachable, WANDB_UNREACHABLE)
+    _positive("wandb.init_timeout", cfg.wandb.init_timeout)
+    for sink in cfg.sinks:
+        if not isinstance(sink, str) or sink not in SINK_NAMES:
+            raise ConfigError(f"sinks={cfg.sinks}: unknown sink {sink!r}; choose from {', '.join(SINK_NAMES)}")
+
+
+def check_sizes(cfg: Any) -> None:
+    """The learning rate, eps, and every count and size: sizes at least 1, periods and warmup at least 0."""
+    _positive("lr", cfg.lr)
+    _positive("norm.eps", cfg.norm.eps)
+    _at_least("depth", cfg.depth, 1)
+    _at_least("model.d_model", cfg.model.d_model, 1)
+    _at_least("model.n_head", cfg.model.n_head, 1)
+    _at_least("model.mlp_ratio", cfg.model.mlp_ratio, 1)
+    _at_least("model.context", cfg.model.context, 1)
+    _at_least("batch_size", cfg.batch_size, 1)
+    _at_least("grad_accum", cfg.grad_accum, 1)
+    _at_least("seq_len", cfg.seq_len, 1)
+    _at_least("max_steps", cfg.max_steps, 1)
+    _at_least("eval_every", cfg.eval_every, 0)
+    _at_least("eval_batches", cfg.eval_batches, 1)
+    _at_least("log_every", cfg.log_every, 1)
+    _at_least("optim.warmup_steps", cfg.optim.warmup_steps, 0)
+    _at_least("ckpt.every", cfg.ckpt.every, 0)
+    _at_least("ckpt.keep", cfg.ckpt.keep, 1)
+
+
+def check_resume(cfg: Any) -> None:
+    """resume names a way to start, and overwrite (start over) does not meet a checkpoint to continue."""
+    if cfg.resume is not None and not cfg.resume.strip():
+        raise ConfigError(f"resume={cfg.resume!r}: {RESUME_CHOICES}")
+    if cfg.overwrite and cfg.resume not in (None, "auto"):
+        raise ConfigError(f"overwrite=true starts the run over, resume={cfg.resume} continues one: choose one of them")
+
+
+def check_ranges(cfg: Any) -> None:
+    """Numbers with a range: DyT's α, fractions, and the factors and periods that 0 turns off."""
+    for key in ("alpha_attn", "alpha_mlp", "alpha_final"):
+        _positive(f"norm.{key}", getattr(cfg.norm, key))
+    if not 0.0 <= cfg.mix_p <= 1.0:
+        raise ConfigError(f"mix_p={cfg.mix_p}: must be between 0 and 1 (the fraction of post-norm blocks)")
+    if cfg.telemetry.every < 0:
+        raise ConfigError(f"telemetry.every={cfg.telemetry.every}: must be an integer >= 0 (0 turns telemetry off)")
+    if not 0.0 <= cfg.norm.momentum <= 1.0:
+        raise ConfigError(f"norm.momentum={cfg.norm.momentum}: must be between 0 and 1")
+    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio}: must be between 0 and 1")
+    if cfg.diverge_factor < 0:
+        raise ConfigError(f"diverge_factor={cfg.diverge_factor}: must be >= 0 (0: only NaN/inf counts)")
+    if cfg.optim.grad_clip < 0:
+        raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip}: must be >= 0 (0 turns clipping off)")
+    if cfg.optim.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={cfg.optim.weight_decay}: must be >= 0")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction}: must be between 0 and 1, exclusive")
+
+
+def check_shapes(cfg: Any) -> None:
+    """Sizes that must fit each other: heads in the width, micro-batches in the batch, sequences in the context."""
+    if cfg.model.d_model % cfg.model.n_head:
+        raise ConfigError(
+            f"model.d_model={cfg.model.d_model} is not divisible by model.n_head={cfg.model.n_head}: "
+            "choose a head count that divides the width"
+        )
+    if cfg.batch_size % cfg.grad_accum:
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} does not split into grad_accum={cfg.grad_accum} equal "
+            "micro-batches: choose grad_accum that divides batch_size"
+        )
+    if cfg.seq_len > cfg.model.context:
+        raise ConfigError(
+            f"seq_len={cfg.seq_len} is larger than the model's context (model.context={cfg.model.context}): "
+            "lower seq_len or raise model.context"
+        )
+
+
+def check_norm_knobs(cfg: Any) -> None:
+    """A knob the norm does not read must keep its default: a set one would be silently ignored.
+
+    A knob at its default is fine, so a config that lists every knob (a saved run's) still loads.
+    """
+    defaults = type(cfg.norm)()
+    for f in fields(cfg.norm):
+        value = getattr(cfg.norm, f.name)
+        if f.name != "name" and value != getattr(defaults, f.name):
+            check_norm_knob(cfg.norm.name, f.name, value)
+
+
+def check_combination(cfg: Any) -> None:
+    """Reject norm × placement × QK-norm combinations that make no sense, saying why."""
+    norm, traits = cfg.norm.name, NORM_TRAITS[cfg.norm.name]
+    if PLACEMENT_TRAITS[cfg.placement].deepnorm and not traits.classes:
+        raise ConfigError(
+            f"placement={cfg.placement} with norm={norm}: DeepNorm up-weights the residual by α=(2N)^(1/4) in "
+            "every sublayer and relies on the norm after each add to undo it; choose a norm, or placement=post"
+        )
+    qk_norms = ", ".join(n for n, t in NORM_TRAITS.items() if t.classes and t.per_token and t.gains)
+    if cfg.qk_norm and not traits.per_token:
+        raise ConfigError(
+            f"qk_norm=true with norm={norm}: {traits.title} is not a per-token norm, so it has no per-head form "
+            f"for queries and keys; use a per-token norm ({qk_norms}) or qk_norm=false"
+        )
+    if cfg.qk_norm and traits.classes and not traits.gains:
+        raise ConfigError(
+            f"qk_norm=true with norm={norm}: normalized queries and keys with no learnable gain have a fixed "
+            "length, which bounds every attention logit, so attention cannot sharpen; use a norm with a "
+            f"learnable gain ({qk_norms}) or qk_norm=false"
+        )
+    if traits.batch_statistics:
+        check_stat_rows(cfg)
+
+
+def check_stat_rows(cfg: Any) -> None:
+    """BatchNorm's statistic groups: stat_rows sequences that divide the micro-batch, at least two values each."""
+    rows = cfg.norm.stat_rows
+    if rows is not None and (rows < 1 or cfg.micro_batch_size % rows):
+        raise ConfigError(
+            f"norm.stat_rows={rows}: must divide the micro-batch of {cfg.micro_batch_size} sequences "
+            f"(batch_size/grad_accum), or be null for the whole micro-batch"
+        )
+    # Each statistic needs at least two values: over the group at one position when causal,
+    # over the group × time otherwise.
+    values = (rows or cfg.micro_batch_size) * (1 if cfg.norm.causal else cfg.seq_len)
+    if values < 2:
+        group = f"groups of norm.stat_rows={rows} sequences" if rows else "micro-batch"
+        where = f"per position, over the {group}" if cfg.norm.causal else f"over {group} × time"
+        raise ConfigError(
+            f"norm={cfg.norm.label} takes its statistics {where}, which holds {values} value here: "
+            "raise norm.stat_rows or batch_size/grad_accum (the micro-batch size) to at least 2"
+        )
+
+
+def check_data(cfg: Any) -> None:
+    """The tokenizer and the data keys that depend on the source."""
+    _choice("tokenizer.kind", cfg.tokenizer.kind, TOKENIZERS)
+    low, high = BPE_VOCAB_RANGE
+    if cfg.tokenizer.kind == "bpe" and not low <= cfg.tokenizer.vocab_size <= high:
+        raise ConfigError(
+            f"tokenizer.vocab_size={cfg.tokenizer.vocab_size}: a byte-level BPE needs between {low} "
+            f"(the 256 bytes and one merge) and {high} tokens"
+        )
+    if cfg.tokenizer.kind == "hf" and not cfg.tokenizer.name:
+        raise ConfigError("tokenizer.name is not set: tokenizer=hf needs tokenizer.name=<hub name or local path>, e.g. gpt2")
+    if cfg.data.max_bytes is not None and cfg.data.max_bytes < 1:
+        raise ConfigError(f"data.max_bytes={cfg.data.max_bytes}: must be an integer >= 1, or null for all the text")
+    if cfg.data.streaming and cfg.data.source != "hf":
+        raise ConfigError(f"data.streaming=true with data={cfg.data.source}: only data=hf streams")
+    if cfg.data.streaming and cfg.data.max_bytes is None:
+        raise ConfigError(
+            "data.streaming=true needs data.max_bytes=N: a stream has no end to stop at "
+            "(e.g. data.max_bytes=100000000 for 100 MB of text)"
+        )
+    if cfg.data.val_split not in (None, "auto") and cfg.data.source != "hf":
+        raise ConfigError(
+            f"data.val_split={cfg.data.val_split!r} with data={cfg.data.source}: only data=hf has named splits; "
+            "use data.val_fraction"
+        )
+
+
+def check_limits(cfg: Any) -> None:
+    """Values the libraries below would refuse with a traceback, or ignore: checked here, in one line each."""
+    low, high = SEED_RANGE
+    if not low <= cfg.seed <= high:
+        raise ConfigError(f"seed={cfg.seed}: must be an integer between {low} and 2**32-1 ({high})")
+    betas = cfg.optim.betas
+    if len(betas) != 2 or not all(is_number(b) and 0.0 <= b < 1.0 for b in betas):
+        raise ConfigError(f"optim.betas={betas}: AdamW takes two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
+    if cfg.optim.eps < 0:
+        raise ConfigError(f"optim.eps={cfg.optim.eps}: must be >= 0")
+    tokenizer_vocab = {"byte": BYTE_VOCAB, "bpe": cfg.tokenizer.vocab_size}.get(cfg.tokenizer.kind)
+    if cfg.model.vocab_size is not None:
+        _at_least("model.vocab_size", cfg.model.vocab_size, 1)
+        if tokenizer_vocab is not None and cfg.model.vocab_size < tokenizer_vocab:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                f"({tokenizer_vocab} ids, tokenizer={cfg.tokenizer.kind}): set model.vocab_size=null to follow "
+                f"the tokenizer, or at least {tokenizer_vocab}"
+            )
+    for key, source in (("files", "text"), ("name", "hf"), ("config_name", "hf")):
+        if getattr(cfg.data, key) and cfg.data.source != source:
+            raise ConfigError(
+                f"data.{key} is set, but data={cfg.data.source} does not read it: add data={source} "
+                f"(data.{key} belongs to data={source})"
+            )
+    if cfg.tokenizer.name and cfg.tokenizer.kind != "hf":
+        raise ConfigError(
+            f"tokenizer.name is set, but tokenizer={cfg.tokenizer.kind} does not read it: add tokenizer=hf"
+        )
+    check_wandb_names(cfg.wandb.project, cfg.wandb.tags)
+
+
+def check_data_source(cfg: Any) -> None:
+    """The data source's own keys are set: data=text's files, data=hf's dataset name."""
+    if cfg.data.source == "text" and not cfg.data.files:
+        raise ConfigError("data.files is empty: data=text needs data.files=[path, ...]")
+    if cfg.data.source == "hf" and not cfg.data.name:
+        raise ConfigError("data.name is not set: data=hf needs data.name=<hub dataset name>")
+
+
+def check_wandb_names(project: str | None, tags: list) -> None:
+    """wandb's own rules for a project name and tags (wandb.sdk.wandb_settings), checked before a run starts.
+    A null project is wandb's own setting (WANDB_PROJECT) or normlab's default, both left to wandb."""
+    bad = sorted(set(WANDB_PROJECT_FORBIDDEN) & set(project or ""))
+    if project is not None and (not project or len(project) > WANDB_PROJECT_MAX or bad):
+        raise ConfigError(
+            f"wandb.project={project!r}: a wandb project name has 1 to {WANDB_PROJECT_MAX} characters, none of "
+            f"{' '.join(WANDB_PROJECT_FORBIDDEN)}" + (f" (found {' '.join(bad)})" if bad else "")
+        )
+    for tag in tags:
+        if not isinstance(tag, (str, int, float)) or isinstance(tag, bool) or not 1 <= len(str(tag)) <= WANDB_TAG_MAX:
+            raise ConfigError(f"wandb.tags: tag {tag!r} is not allowed: a wandb tag is a string of 1 to {WANDB_TAG_MAX} characters")
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed: choose one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{key}={value}: must be a positive number")
+
+
+def _at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"{key}={value}: must be an integer >= {low}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from normlab.config import RunConfig, bookkeeping_keys, flatten_config
+from normlab.config.parse import flatten_config
+from normlab.config.schema import RunConfig, bookkeeping_keys
 
 PACKABLE_KEYS = ("lr", "seed")  # what the members of one pack may differ in
 

@@ -1,0 +1,254 @@
+"""The run schema: typed configuration for one normlab run, and its dotted keys.
+
+Hydra composes plain YAML (conf/); `RunConfig.from_dict` turns the resolved mapping into these
+dataclasses (normlab.config.parse) and checks every value (normlab.config.validate) before anything
+heavy starts. A bad value raises `ConfigError` with one line naming the key and what is allowed.
+Nothing here imports torch, so validation is instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, get_type_hints
+
+from normlab.config.parse import build_config, dotted_keys, format_lr, nearest_key, unknown_key_line
+from normlab.config.registry import LABEL_SUFFIXES, NORM_TRAITS
+from normlab.config.validate import validate_run
+
+
+def bookkeeping(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A schema field that changes no number of the run's result: its name, where it runs, what it
+    logs and where it writes. Such a field may change when a run resumes, and two runs that differ
+    only in such fields belong to one arm in `normlab compare`; `bookkeeping_keys()` lists them."""
+    return field(default=default, default_factory=default_factory, metadata={"bookkeeping": True})
+
+
+@dataclass
+class NormConfig:
+    """One norm type and its knobs; `NORM_TRAITS[name].knobs` are the ones the norm reads."""
+
+    name: str = "layer"
+    eps: float = 1e-5
+    weight: bool = True  # learnable gain (γ / w); LayerNorm, RMSNorm, BatchNorm, DyT
+    bias: bool = True  # learnable shift (β); LayerNorm, BatchNorm, DyT
+    momentum: float = 0.1  # BatchNorm running-statistics momentum
+    sync: bool = True  # BatchNorm under DDP: statistics over the global batch
+    causal: bool = False  # BatchNorm: statistics per position over the batch, never across time
+    stat_rows: int | None = None  # BatchNorm: sequences per statistic ("ghost batch"); null: the micro-batch
+    alpha_attn: float = 0.5  # DyT: initial α of the attention norms (and of QK-norm)
+    alpha_mlp: float = 0.5  # DyT: initial α of the MLP norms
+    alpha_final: float = 0.5  # DyT: initial α of the final norm before the head
+
+    @property
+    def label(self) -> str:
+        """The norm as a group option names it: 'rms', 'rms_noweight', 'layer_nobias', 'batch_causal'.
+
+        Structural knobs that are switched off show in the label, so two arms that
+        differ in them never share a run name.
+        """
+        knobs = NORM_TRAITS[self.name].knobs if self.name in NORM_TRAITS else ()
+        suffixes = (suffix for knob, value, suffix in LABEL_SUFFIXES if knob in knobs and getattr(self, knob) == value)
+        return self.name + "".join(suffixes)
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 128
+    n_head: int = 4
+    context: int = 128  # number of learned positions: the longest sequence the model takes
+    mlp_ratio: int = 4
+    bias: bool = True  # biases of the linear layers
+    vocab_size: int | None = 256  # null: the tokenizer's vocabulary (the presets' choice); else at least it
+    embed_scale: bool = False  # multiply the token embedding by sqrt(d_model) (Vaswani et al. 2017; xiong2020 preset)
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    files: list = field(default_factory=list)  # data=text: local text files
+    name: str | None = None  # data=hf: hub dataset name
+    config_name: str | None = None  # data=hf: dataset configuration
+    split: str = "train"
+    text_field: str = "text"
+    val_fraction: float = 0.1
+    cache_dir: str | None = bookkeeping(None)  # token cache; default ~/.cache/normlab
+    streaming: bool = False  # data=hf: stream the split instead of downloading it whole; needs max_bytes
+    max_bytes: int | None = None  # read at most this many bytes of text per split; null: all of it
+    val_split: str | None = "auto"  # data=hf: auto ("validation" if the dataset has it), a split name, or null (cut val_fraction)
+
+
+@dataclass
+class TokenizerConfig:
+    """How text becomes token ids: byte (256 ids), a BPE trained on the training split, or a pretrained one."""
+
+    kind: str = "byte"  # byte | bpe | hf
+    vocab_size: int = 4096  # tokenizer=bpe: the vocabulary, 257..65536
+    name: str | None = None  # tokenizer=hf: a hub name (gpt2), a directory holding tokenizer.json, or the file
+
+
+@dataclass
+class OptimConfig:
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decay floor, as a fraction of the peak lr
+    grad_clip: float = 1.0  # max total grad norm; 0 turns clipping off
+
+
+@dataclass
+class WandbConfig:
+    """The wandb run. A null mode, project or entity leaves the choice to wandb's own settings (WANDB_MODE,
+    WANDB_PROJECT, WANDB_ENTITY, `wandb offline`/`wandb online`) when the user made one; else normlab's
+    default applies: offline, project normlab. A value given here (on the command line) wins over them."""
+
+    mode: str | None = None  # offline | online | disabled | null (wandb's setting, else offline)
+    project: str | None = None  # null: WANDB_PROJECT, else normlab
+    entity: str | None = None  # null: WANDB_ENTITY, else the account's default
+    group: str | None = None  # null: in a multirun, the sweep's name (its preset or swept keys, and its time stamp)
+    tags: list = field(default_factory=list)
+    init_timeout: float = 30.0  # seconds an online run may take to reach the server
+    on_unreachable: str = "offline"  # online run that cannot start: offline (warn, record offline, sync later) | stop
+    layers: bool = False  # true: per-layer curves in wandb too; false: run-level scalars and the layer table and heatmaps
+    overrides: list = field(default_factory=list)  # set by `normlab train`: the job's Hydra overrides, for wandb's config
+
+
+@dataclass
+class TelemetryConfig:
+    """Per-layer statistics (normlab.train.probe): at step 0, every `every` steps and at the last step."""
+
+    every: int = 10  # 0 turns telemetry off
+
+
+@dataclass
+class CkptConfig:
+    every: int = 100  # write a checkpoint every N steps, and always at the end; 0: only at the end
+    keep: int = 1  # newest checkpoints kept in <run dir>/checkpoints
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs. Short top-level keys are the ones users sweep."""
+
+    name: str = bookkeeping("run")
+    norm: NormConfig = field(default_factory=NormConfig)
+    placement: str = "pre"
+    mix_p: float = 0.25  # placement=mix: the first ⌊mix_p·depth⌋ blocks are post-norm, the rest pre-norm
+    qk_norm: bool = False  # a per-head norm on queries and keys, whatever the placement
+    depth: int = 4
+    lr: float = 1e-3
+    init: str = "normal"
+    seed: int = 0
+    batch_size: int = 32
+    grad_accum: int = 1
+    seq_len: int = 128
+    max_steps: int = 600
+    eval_every: int = 200
+    eval_batches: int = 16
+    log_every: int = bookkeeping(10)
+    precision: str = "auto"
+    device: str = bookkeeping("auto")
+    compile: bool = bookkeeping(False)  # torch.compile the model for the training steps that take no telemetry
+    tf32: bool = bookkeeping(True)  # CUDA only: float32 matmuls on TF32 tensor cores (Ampere and later)
+    compile_mode: str = bookkeeping("default")  # with compile=true: torch.compile's mode (reduce-overhead: CUDA graphs)
+    # Deterministic kernels (torch.use_deterministic_algorithms): like tf32 and compile, it changes how the
+    # same computation is rounded, never the experiment, so it is bookkeeping: a resumed run may change it.
+    deterministic: bool = bookkeeping(False)
+    diverge_factor: float = 3.0  # stop as diverged when the loss exceeds this × the initial loss; 0: only NaN/inf
+    fail_fast: bool = bookkeeping(False)  # in a multirun, stop the sweep at the first failed job
+    progress: bool = bookkeeping(True)
+    # multirun, normlab's launcher: jobs that differ only in lr and seed train as one packed model (normlab.train.pack),
+    # each member written as its own run with the rows its unpacked run would write: so it is bookkeeping.
+    pack: bool = bookkeeping(False)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    wandb: WandbConfig = bookkeeping(default_factory=WandbConfig)
+    telemetry: TelemetryConfig = bookkeeping(default_factory=TelemetryConfig)
+    ckpt: CkptConfig = bookkeeping(default_factory=CkptConfig)
+    sinks: list = bookkeeping(default_factory=lambda: ["jsonl", "wandb"])  # where records go (SINK_NAMES)
+    resume: str | None = bookkeeping("auto")  # null: start fresh; auto: newest checkpoint in the run dir, if any; or a path
+    overwrite: bool = bookkeeping(False)  # start over in a run dir that holds a run's records, deleting them
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], validate: bool = True) -> RunConfig:
+        """Build (and unless told not to, validate) a RunConfig from a resolved mapping.
+
+        Keys unknown to the schema raise ConfigError when validating (a typo would otherwise change
+        nothing, silently), with the nearest known key as a suggestion; without validation they are kept
+        out, so an old config.json still loads. Values of the wrong type raise ConfigError either way.
+        """
+        return build_config(cls, raw, validate)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.grad_accum
+
+    @property
+    def label(self) -> str:
+        """The arm: norm label, placement (with p for mix) and '-qk' under QK-norm, e.g. 'dyt-mix0.25-qk'."""
+        placement = f"mix{self.mix_p:g}" if self.placement == "mix" else self.placement
+        return f"{self.norm.label}-{placement}" + ("-qk" if self.qk_norm else "")
+
+    @property
+    def run_name(self) -> str:
+        """A readable run name, e.g. 'rms-pre-d6-lr1e-3-s0'."""
+        return f"{self.label}-d{self.depth}-lr{format_lr(self.lr)}-s{self.seed}"
+
+    def qk_norm_config(self) -> NormConfig | None:
+        """The norm QK-norm puts on each head's queries and keys, or None without QK-norm.
+
+        It is the run's norm type, except under norm=none, which has no norm to
+        apply: then it is RMSNorm with the run's eps (qk_norm=true asks for a norm).
+        """
+        if not self.qk_norm:
+            return None
+        if not NORM_TRAITS[self.norm.name].classes:
+            return dataclasses.replace(self.norm, name="rms", weight=True)
+        return self.norm
+
+    def validate(self) -> None:
+        """ConfigError, one line, for the first value that cannot be trained (normlab.config.validate)."""
+        validate_run(self)
+
+
+def schema_keys(cls: type | None = None, prefix: str = "") -> tuple[str, ...]:
+    """Every dotted key of RunConfig, sub-configs and their keys alike ('norm', 'norm.name', ...), in schema order."""
+    return dotted_keys(cls or RunConfig, prefix)
+
+
+def bookkeeping_keys() -> tuple[str, ...]:
+    """The dotted keys of RunConfig marked `bookkeeping` ('name', 'ckpt', 'data.cache_dir', ...), in schema order.
+
+    A marked sub-config ('wandb') stands for every key under it ('wandb.mode', ...).
+    """
+    return _bookkeeping_keys(RunConfig, "")
+
+
+def _bookkeeping_keys(cls: type, prefix: str) -> tuple[str, ...]:
+    hints = get_type_hints(cls)
+    found: list[str] = []
+    for f in fields(cls):
+        if f.metadata.get("bookkeeping"):
+            found.append(prefix + f.name)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            found += _bookkeeping_keys(hints[f.name], f"{prefix}{f.name}.")
+    return tuple(found)
+
+
+def suggest_key(key: str, extra_keys: tuple[str, ...] = ()) -> str | None:
+    """The known key a typo most likely meant ('nrom' -> 'norm', 'model.dmodel' -> 'model.d_model',
+    'lr_rate' -> 'lr'), or None. `extra_keys`: further names a user may mean (config groups such as 'experiment')."""
+    return nearest_key(key, (*schema_keys(), *extra_keys))
+
+
+def unknown_key_message(key: str, value: Any = dataclasses.MISSING, extra_keys: tuple[str, ...] = ()) -> str:
+    """One line for a key the schema does not have: the nearest known key as a suggestion
+    ("did you mean norm=rms?"), else the keys allowed beside it. `extra_keys`: further names a user
+    may mean (config groups such as 'experiment')."""
+    return unknown_key_line(key, value, (*schema_keys(), *extra_keys))

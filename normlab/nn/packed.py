@@ -159,7 +159,7 @@ class PackedAdamW:
     """AdamW over stacked parameters with a learning rate per member (torch.optim.AdamW's update, one
     member per slice): decoupled weight decay p ← p·(1 − lr·wd), then p ← p − lr/(1 − β₁ᵗ) · m / (sqrt(v/(1 − β₂ᵗ)) + ε).
 
-    `decay`: the names of the parameters that take weight decay (train.param_groups' rule)."""
+    `decay`: the names of the parameters that take weight decay (train.optim.param_groups' rule)."""
 
     def __init__(self, params: dict[str, torch.Tensor], decay: set[str], betas: Sequence[float], eps: float,
                  weight_decay: float):

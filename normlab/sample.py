@@ -59,6 +59,8 @@ def _check_args(args: argparse.Namespace) -> None:
 def sample_text(path: str, prompt: str, n_tokens: int, temperature: float, top_k: int | None, seed: int,
                 device: str = "cpu") -> str:
     """The prompt followed by `n_tokens` sampled tokens, decoded. Raises SampleError for an unusable path."""
+    # Here and below, torch and the model's stack load only when a sample is drawn: `normlab sample --help`
+    # and a bad argument answer at once.
     import torch
 
     from normlab.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, run_dir_of

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
 from normlab.config import BPE_VOCAB_RANGE
 from normlab.util.errors import one_line
@@ -145,8 +146,6 @@ def train_bpe(train_text: bytes, vocab_size: int, cache_dir: str | os.PathLike) 
             return from_file(path, kind="bpe")
         except TokenizerError:
             pass  # a damaged cache file is rebuilt below
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
-
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
@@ -183,8 +182,6 @@ def _spread_sample(text: str, budget: int) -> list[str]:
 
 def from_file(path: str | os.PathLike, kind: str = "hf") -> HFTokenizer:
     """A tokenizer from a tokenizer.json file, or a directory that holds one."""
-    from tokenizers import Tokenizer as Backend
-
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
@@ -205,7 +202,7 @@ def pretrained(name: str, local_only: bool, offline_reason: str = "") -> HFToken
     """
     if os.path.exists(os.path.expanduser(name)):
         return from_file(os.path.expanduser(name))
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download  # only for a hub name, and it pulls in an HTTP stack
 
     try:
         path = hf_hub_download(name, "tokenizer.json", local_files_only=local_only)
@@ -224,8 +221,6 @@ def pretrained(name: str, local_only: bool, offline_reason: str = "") -> HFToken
 def _token_byte_lengths(backend, vocab_size: int) -> np.ndarray:
     """The UTF-8 byte length of every id: exact for byte-level vocabularies (GPT-2, our BPE), where each
     character of a token's string stands for one byte; otherwise the length of the token decoded alone."""
-    from tokenizers import decoders, pre_tokenizers
-
     byte_level = isinstance(backend.decoder, decoders.ByteLevel)
     byte_chars = set(pre_tokenizers.ByteLevel.alphabet())
     added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}

@@ -141,7 +141,7 @@ def preflight(launcher: dict) -> str | None:
     """None when sbatch would take a job with the launcher's settings (or cannot be asked: no sbatch,
     no submitit), else the one line saying why SLURM refuses it and what to set."""
     try:
-        import submitit
+        import submitit  # optional (normlab[slurm]); without it there is nothing to ask
     except ImportError:
         return None
     init, params = sbatch_params(launcher)

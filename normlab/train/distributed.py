@@ -59,7 +59,7 @@ def export_slurm_tasks() -> None:
     if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or "WORLD_SIZE" in os.environ:
         return
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        from submitit.helpers import TorchDistributedEnvironment
+        from submitit.helpers import TorchDistributedEnvironment  # present in a submitit job, optional elsewhere
 
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 

@@ -1,19 +1,18 @@
 """The comparison's analysis: run dirs read back (runs.py), grouped into arms with each arm's LR
-sensitivity (arms.py). It reads and computes only: the `compare` command (compare.py) writes the
-report with report.py and plots.py.
+sensitivity (arms.py), put together as a Comparison (comparison.py). It reads and computes only: the
+`compare` command (compare.py) writes the report with report.py and plots.py.
 """
 
 from normlab.analysis.arms import (
     NOT_ARM_KEYS,
     Arm,
     ArmResult,
-    Comparison,
-    build_comparison,
     condition_label,
     lr_sensitivity,
     mean_std,
     order_key,
 )
+from normlab.analysis.comparison import Comparison, build_comparison
 from normlab.analysis.runs import (
     CONFIG,
     MEASURES,

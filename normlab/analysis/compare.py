@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from normlab.analysis.arms import build_comparison
+from normlab.analysis.comparison import build_comparison
 from normlab.analysis.runs import CONFIG, METRICS, SUMMARY, CompareError, find_run_dirs
 from normlab.util.errors import fail
 

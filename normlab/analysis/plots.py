@@ -22,7 +22,8 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from normlab import keys
-from normlab.analysis.arms import Arm, Comparison, condition_label, mean_std, order_key
+from normlab.analysis.arms import Arm, condition_label, mean_std, order_key
+from normlab.analysis.comparison import Comparison
 from normlab.analysis.runs import Run
 from normlab.config import NORMS, PLACEMENTS
 

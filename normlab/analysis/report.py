@@ -11,7 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from normlab.analysis.arms import Comparison, mean_std
+from normlab.analysis.arms import mean_std
+from normlab.analysis.comparison import Comparison
 from normlab.analysis.plots import Plot
 from normlab.analysis.runs import MEASURES
 from normlab.config import NORM_TRAITS, format_lr

@@ -1,9 +1,9 @@
 """Run dirs read back: the files a run writes, and each run as compare sees it (Run).
 
-A run dir is any directory holding summary.json, metrics.jsonl or config.json (the run's
-RunConfig as train() writes it); a run killed before it wrote summary.json is read from the
+A run dir is any directory holding summary.json, metrics.jsonl, metrics.csv or config.json (the
+run's RunConfig as train() writes it); a run killed before it wrote summary.json is read from the
 others. find_run_dirs finds them under a run dir, a sweep dir or the outputs/ root, load_run
-reads one, load_runs reads them all.
+reads one, load_runs reads them all. Its metric rows come from records.py.
 """
 
 from __future__ import annotations
@@ -11,16 +11,17 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
 from normlab import keys
+from normlab.analysis.records import METRICS, METRICS_FILES, layer_series, read_records
 from normlab.config import flatten_config
 from normlab.util.errors import one_line
 
 SUMMARY = "summary.json"
-METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 HYDRA_CONFIG = Path(".hydra") / "config.yaml"  # read only in run dirs without config.json
 
@@ -28,6 +29,10 @@ HYDRA_CONFIG = Path(".hydra") / "config.yaml"  # read only in run dirs without c
 # tokenizers differ (nats per token of different tokenizers are not comparable; bits per byte are).
 MEASURES = {"val_loss": "val loss", "val_bpb": "val bits/byte"}
 BYTE_TOKENIZER = "bytes-v1"  # the identity of runs that record no tokenizer: before tokenizers, normlab read bytes
+
+ATTN_LOGIT_MAX = "attn/logit_max"  # per-layer telemetry: the largest pre-softmax attention logit of the block
+# The whole-block per-layer statistics compare reads: its layer profiles' and the largest attention logit.
+LAYER_STATS = frozenset([*(stat for stat, _, _ in keys.LAYER_PROFILES), ATTN_LOGIT_MAX])
 
 # Summary keys, and the config keys they fall back to.
 SUMMARY_TO_CONFIG = {"norm": "norm.name", "placement": "placement", "depth": "depth", "lr": "lr", "seed": "seed"}
@@ -45,8 +50,10 @@ class Run:
     summary: dict[str, Any]
     settings: dict[str, Any]
     rows: list[dict[str, Any]]
-    bad_lines: int = 0  # metrics.jsonl lines that were not readable rows (a run killed mid-write, a damaged file)
+    bad_lines: int = 0  # metrics lines that were not readable rows (a run killed mid-write, a damaged file)
     measure: str = "val_loss"  # the validation measure its losses below are in (a key of MEASURES)
+    metrics_file: str | None = METRICS  # the file its rows were read from: metrics.jsonl, metrics.csv, or None
+    _curves: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def norm(self) -> str:
@@ -77,6 +84,11 @@ class Run:
     def diverged_step(self) -> int | None:
         if self.summary.get("diverged_step") is not None:
             return int(self.summary["diverged_step"])
+        return self._marked_divergence
+
+    @cached_property
+    def _marked_divergence(self) -> int | None:
+        """The step of the first row marked `"status": "diverged"` (compare reads it often: once)."""
         marked = [row["step"] for row in self.rows if row.get("status") == "diverged" and "step" in row]
         return int(marked[0]) if marked else None
 
@@ -88,6 +100,22 @@ class Run:
         if self.diverged_step is not None:
             return "diverged"
         return "completed" if math.isfinite(self.final_val_loss) else "running"
+
+    @property
+    def did_not_start(self) -> bool:
+        """Failed before its first step (bad data, a tokenizer error, wandb unreachable): no metric row at all."""
+        return self.status == "failed" and not self.rows
+
+    @property
+    def error(self) -> str:
+        """summary.json's error, on one line."""
+        return one_line(self.summary.get("error") or "no error recorded")
+
+    @property
+    def environment(self) -> dict[str, Any] | None:
+        """summary.json's environment block (python, torch, cuda, device, torch_threads, ...), None without one."""
+        block = self.summary.get("environment")
+        return block if isinstance(block, dict) else None
 
     @property
     def tokenizer(self) -> str:
@@ -136,32 +164,53 @@ class Run:
 
     def curve(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of metric `key`: finite values only, and only before the divergence step."""
-        steps, values = [], []
+        if key not in self._curves:
+            self._curves[key] = self._read_curve(key)
+        return self._curves[key]
+
+    def _read_curve(self, key: str) -> tuple[list[int], list[float]]:
+        steps, values, cut = [], [], self._cut()
         for row in self.rows:
-            if key in row and "step" in row and row["step"] < self._cut():
+            if key in row and "step" in row and row["step"] < cut:
                 value = keys.to_float(row[key])
                 if math.isfinite(value):
                     steps.append(row["step"])
                     values.append(value)
         return steps, values
 
+    @cached_property
+    def _layers(self) -> dict[str, list[tuple[int, dict[int, float]]]]:
+        """The per-layer statistics compare shows (LAYER_STATS), of the rows before any divergence, read once."""
+        return layer_series(self._rows_before_cut(), LAYER_STATS)
+
+    def _rows_before_cut(self) -> list[dict[str, Any]]:
+        cut = self._cut()
+        return [row for row in self.rows if row.get("step", math.inf) < cut]
+
+    def layer_series(self, stat: str) -> list[tuple[int, dict[int, float]]]:
+        """[(step, {layer index: value}), ...] of per-layer statistic `stat` (one of LAYER_STATS) at every
+        telemetry row before any divergence."""
+        if stat not in LAYER_STATS:
+            return layer_series(self._rows_before_cut(), frozenset([stat])).get(stat, [])
+        return self._layers.get(stat, [])
+
     def layer_profile(self, stat: str, which: str) -> dict[int, float]:
         """{layer index: value} of per-layer statistic `stat` (e.g. 'grad/norm') at the first or last
         telemetry row before any divergence; `which` is 'first' or 'last'. Empty if the run has none."""
-        rows = [row for row in self.rows if row.get("step", math.inf) < self._cut() and keys.layer_values(row, stat)]
-        if not rows:
+        series = self.layer_series(stat)
+        if not series:
             return {}
-        return keys.layer_values(rows[0] if which == "first" else rows[-1], stat)
+        return series[0 if which == "first" else -1][1]
 
     def has_layer_stat(self, stat: str) -> bool:
-        return any(keys.layer_values(row, stat) for row in self.rows)
+        return bool(self.layer_series(stat))
 
 
-RUN_FILES = (SUMMARY, METRICS, CONFIG)  # a dir holding any of them is a run dir: a killed run has no summary.json
+RUN_FILES = (SUMMARY, *METRICS_FILES, CONFIG)  # a dir holding any of them is a run dir: a killed run has no summary.json
 
 
 def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Every run dir (a dir holding summary.json, metrics.jsonl or config.json) at or under `paths`,
+    """Every run dir (a dir holding summary.json, metrics.jsonl, metrics.csv or config.json) at or under `paths`,
     skipping wandb/ and hidden dirs."""
     found: dict[Path, None] = {}
     for raw in paths:
@@ -182,7 +231,7 @@ def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def load_run(path: Path) -> Run:
-    """Read one run dir: summary.json, its config (see _read_config) and metrics.jsonl.
+    """Read one run dir: summary.json, its config (see _read_config) and its metric rows (metrics.jsonl, else metrics.csv).
 
     A run without summary.json (killed before it wrote one) is read from its other files, with
     status "incomplete". Raises CompareError if its summary.json is not a JSON object (or not UTF-8),
@@ -201,8 +250,8 @@ def load_run(path: Path) -> Run:
     for summary_key, config_key in SUMMARY_TO_CONFIG.items():
         if summary.get(summary_key) is not None:
             settings[config_key] = summary[summary_key]
-    rows, bad_lines = _read_metrics(path / METRICS)
-    return Run(path=path, summary=summary, settings=settings, rows=rows, bad_lines=bad_lines)
+    rows, bad_lines, metrics_file = read_records(path)
+    return Run(path=path, summary=summary, settings=settings, rows=rows, bad_lines=bad_lines, metrics_file=metrics_file)
 
 
 def load_runs(*paths: str | os.PathLike) -> list[Run]:
@@ -254,36 +303,3 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
     if not isinstance(container, dict):
         return {}
     return {k: tuple(v) if isinstance(v, list) else v for k, v in flatten_config(container).items()}
-
-
-def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
-    if not path.is_file():
-        return [], 0
-    rows, bad = [], 0
-    with open(path, "rb") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line.decode("utf-8"))  # a line of invalid UTF-8 is a bad line, like torn JSON
-            except ValueError:
-                bad += 1
-                continue
-            if isinstance(row, dict) and _row_is_sound(row):
-                rows.append(row)
-            else:
-                bad += 1
-    return rows, bad
-
-
-def _row_is_sound(row: dict[str, Any]) -> bool:
-    """A metrics row compare can use: an integer step (if any) and number-like values where it reads numbers."""
-    step = row.get("step")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        return False
-    return all(_number_like(v) for k, v in row.items() if k not in ("step", "status") and not isinstance(v, str))
-
-
-def _number_like(value: Any) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
-

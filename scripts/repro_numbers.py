@@ -83,9 +83,9 @@ def lr_report(comparison: Comparison) -> None:
         loss = {p.lr: p.loss for p in arm.points if p.counted}
         rows.append([arm_label(arm.arm), *(cell(loss.get(lr, math.nan)) for lr in lrs), cell(arm.init_loss),
                      cell(arm.best_loss), format_lr(arm.best_lr) if math.isfinite(arm.best_lr) else "—",
-                     f"{arm.sensitivity:.3f}"])  # fmt: skip
+                     cell(arm.sensitivity)])  # fmt: skip
         if common != lrs:
-            rows[-1].append(f"{lr_sensitivity({lr: loss[lr] for lr in common}, arm.init_loss):.3f}")
+            rows[-1].append(cell(lr_sensitivity({lr: loss[lr] for lr in common}, arm.init_loss)))
     print_table("final validation loss (nats per byte; mean over seeds) by peak lr", header, rows)
     logits = [[arm_label(arm.arm), *(f"{point_mean(arm, lr, logit_max):.3g}" for lr in lrs)] for arm in comparison.arms]
     print_table("largest attention logit at the last telemetry step (max over layers)", ["arm", *header[1:len(lrs) + 1]], logits)

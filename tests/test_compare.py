@@ -149,7 +149,7 @@ def test_lr_sensitivity_matches_a_hand_computation():
     assert lr_sensitivity(losses, init_loss=5.5) == pytest.approx((0.5 + 0 + 0.3 + 3.0) / 4)  # 0.95
     # A finite loss above ℓ₀ is clipped to ℓ₀ like a divergence: 6.0 → 5.5 − 2.5 = 3.0
     assert lr_sensitivity({1e-3: 2.5, 1e-2: 6.0}, init_loss=5.5) == pytest.approx(1.5)
-    assert lr_sensitivity({1e-3: 4.0}, init_loss=5.5) == 0.0
+    assert math.isnan(lr_sensitivity({1e-3: 4.0}, init_loss=5.5))  # one lr: no sensitivity (its formula gives 0)
     assert math.isnan(lr_sensitivity({1e-3: math.inf, 1e-2: math.inf}, init_loss=5.5))
     assert math.isnan(lr_sensitivity({1e-3: 3.0}, init_loss=math.nan))
 
@@ -248,7 +248,7 @@ def test_config_keys_that_differ_split_arms_but_lr_and_seed_do_not(tmp_path):
     write_run(root / "s2" / "x", depth=4, lr=1e-1, extra_config={"log_every": 5})
     comparison = build_comparison(find_run_dirs([tmp_path / "outputs"]))
     labels = [a.arm.label for a in comparison.arms]
-    assert labels == ["rms-pre depth=4", "rms-pre depth=12"]  # numbers sort as numbers
+    assert labels == ["depth=4", "depth=12"]  # numbers sort as numbers; norm and placement do not vary
     assert [len(a.runs) for a in comparison.arms] == [5, 4]
     assert [p.lr for p in comparison.arms[0].points] == [1e-3, 1e-2, 1e-1]
 
@@ -261,12 +261,12 @@ def test_runs_that_differ_only_in_bookkeeping_are_one_arm(tmp_path, config):
     # resumed from a checkpoint: resume=PATH is written into its config
     write_run(sweep / "c", lr=1e-1, config=config, extra_config={"resume": "/scratch/run/checkpoints/step-000120.pt"})
     [arm] = build_comparison(find_run_dirs([sweep])).arms
-    assert arm.arm.label == "rms-pre" and len(arm.runs) == 3
+    assert arm.arm.label == "rms-pre" and len(arm.runs) == 3  # one arm: its full name
     # a key that changes the result still splits the arm
     write_run(tmp_path / "other" / "d", lr=1e-3, config=config, extra_config={"resume": "auto", "optim.warmup_steps": 7})
     write_run(tmp_path / "other" / "e", lr=1e-3, config=config, extra_config={"resume": "/x/step-4.pt", "optim.warmup_steps": 50})
     labels = [a.arm.label for a in build_comparison(find_run_dirs([tmp_path / "other"])).arms]
-    assert labels == ["rms-pre optim.warmup_steps=7", "rms-pre optim.warmup_steps=50"]
+    assert labels == ["optim.warmup_steps=7", "optim.warmup_steps=50"]
 
 
 def test_a_norm_knob_splits_only_the_arms_of_the_norms_that_read_it(tmp_path):
@@ -279,7 +279,7 @@ def test_a_norm_knob_splits_only_the_arms_of_the_norms_that_read_it(tmp_path):
                               final=3.0 + seed / 10 + lr, extra_config={"norm.alpha_attn": alpha})
     comparison = build_comparison(find_run_dirs([tmp_path]))
     assert [(a.arm.label, len(a.runs)) for a in comparison.arms] == [
-        ("layer-pre", 4), ("dyt-pre norm.alpha_attn=0.5", 4), ("dyt-pre norm.alpha_attn=1.0", 4)
+        ("layer", 4), ("dyt norm.alpha_attn=0.5", 4), ("dyt norm.alpha_attn=1.0", 4)
     ]
     # LayerNorm's runs at alpha_attn=1.0 are the same trainings as those at 0.5: counted once, each noted.
     assert sum("the same training as layer-0.5-" in note for note in comparison.notes) == 4
@@ -301,7 +301,7 @@ def test_config_json_is_read_and_hydras_config_only_without_it(tmp_path):
     write_run(tmp_path / "sweep" / "new", lr=1e-3, extra_config={"init": "xavier"})
     write_run(tmp_path / "sweep" / "normal", lr=1e-3, extra_config={"init": "normal"})
     comparison = build_comparison(find_run_dirs([tmp_path / "sweep"]))
-    assert [(a.arm.label, len(a.runs)) for a in comparison.arms] == [("rms-pre init=normal", 1), ("rms-pre init=xavier", 2)]
+    assert [(a.arm.label, len(a.runs)) for a in comparison.arms] == [("init=normal", 1), ("init=xavier", 2)]
 
 
 def test_runs_trained_from_python_are_compared_by_their_config_json(tmp_path):
@@ -426,10 +426,14 @@ def test_default_report_dir_is_the_sweeps_report_else_outputs_reports(tmp_path, 
 # ------------------------------------------------------------------------------------------ command line
 
 
-def test_cli_prints_the_report_dir(tmp_path, capsys):
+def test_cli_prints_the_ranked_table_then_the_report_path(tmp_path, capsys):
     write_run(tmp_path / "sweep" / "a")
     assert cli.main(["compare", str(tmp_path / "sweep"), "--out", str(tmp_path / "r")]) == 0
-    assert capsys.readouterr().out.strip() == str(tmp_path / "r")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == f"report: {tmp_path / 'r' / 'report.md'}"
+    assert lines[0] == "1 runs in 1 arms. Best: rms-pre at lr=1e-3, final val loss 3.0000 (1 seed)."
+    assert lines[2].split() == ["rank", "arm", "final", "val", "loss", "seeds", "best", "lr", "LR", "sensitivity",
+                                "diverged/failed", "max", "grad", "norm", "max", "attn", "logit", "loss", "spikes"]
     assert (tmp_path / "r" / "report.md").is_file()
 
 
@@ -508,7 +512,7 @@ def test_compare_on_a_real_sweep_reports_the_summary_numbers(real_sweep, monkeyp
     monkeypatch.chdir(cwd)
     # In this process: the command line is test_cli_prints_the_report_dir's, the real runs are the point here.
     assert cli.main(["compare", str(sweep.relative_to(cwd))]) == 0
-    out = Path(capsys.readouterr().out.strip())
+    out = Path(capsys.readouterr().out.strip().splitlines()[-1].removeprefix("report: ")).parent
     assert out.resolve() == (sweep / "report").resolve()
     for name in ALL_PLOTS[:3]:
         png = (out / name).read_bytes()
@@ -535,12 +539,12 @@ def test_compare_on_a_real_sweep_reports_the_summary_numbers(real_sweep, monkeyp
         finals.setdefault(s["norm"], {})[s["lr"]] = s["final_val_loss"]
 
     sensitivity = {r["arm"]: r for r in table(report, "LR sensitivity")}
-    assert sorted(sensitivity) == ["layer-pre", "rms-pre"]
+    assert sorted(sensitivity) == ["layer", "rms"]  # the placement is pre in every run: not in the labels
     for norm, by_lr in finals.items():
         init = sum(init_losses[norm]) / len(init_losses[norm])
         best = min(by_lr.values())
         expected = sum(min(v, init) - best for v in by_lr.values()) / len(by_lr)
-        row = sensitivity[f"{norm}-pre"]
+        row = sensitivity[norm]
         assert row["LR sensitivity"] == f"{expected:.4f}"
         assert row["ℓ₀ (init)"] == f"{init:.4f}" and row["ℓ* (best)"] == f"{best:.4f}"
     assert "## Seeds" not in report  # one seed per arm and lr

@@ -1,21 +1,25 @@
-"""Runs grouped into arms, and each arm's LR sensitivity and seed spread.
+"""Runs grouped into arms, their labels, and each arm's LR sensitivity and seed spread.
 
 Runs are grouped into arms: norm × placement, split further by any other config key whose
 value differs between the runs (depth, init, warmup, ...), except the learning rate (the
-sweep's axis), the seed (replicates) and the bookkeeping keys. For each arm this module
-computes the LR sensitivity of Wortsman et al. 2023 and the seed mean and spread at each
-learning rate; comparison.py puts it all together for the report and the plots.
+sweep's axis), the seed (replicates) and the bookkeeping keys. An arm's label names only what
+varies across the arms compared (norm and placement first); what every run shares is one
+line of common settings. For each arm this module computes the LR sensitivity of Wortsman et
+al. 2023 and the seed mean and spread at each learning rate; comparison.py puts it all
+together for the report and the plots.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from normlab.analysis.runs import Run
+from normlab.analysis.stability import ArmStability, arm_stability
 from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, bookkeeping_keys, format_lr
+from normlab.keys import to_float
 
 # Config keys that may differ inside one arm: lr is the sweep's axis, seed makes replicates, and the
 # schema's bookkeeping keys (a key under a listed sub-config too) change no number of the result.
@@ -34,17 +38,37 @@ def value_key(value: Any) -> tuple:
     return (1, 0, str(value))
 
 
+NORM, PLACEMENT = "norm", "placement"  # the two dimensions of every arm; any other is a config key
+
+
 @dataclass(frozen=True)
 class Arm:
-    """One ablation arm: a norm in a placement, plus any other config values that set it apart."""
+    """One ablation arm: a norm in a placement, plus any other config values that set it apart.
+
+    `label` names what tells it apart from the other arms compared (see labelled); alone, it is
+    the full name ('rms-pre depth=12').
+    """
 
     norm: str
     placement: str
     extras: tuple[tuple[str, Any], ...] = ()
+    label: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if not self.label:
+            object.__setattr__(self, "label", self.full_label)
 
     @property
-    def label(self) -> str:
+    def full_label(self) -> str:
         return " ".join([f"{self.norm}-{self.placement}", *(f"{k}={v}" for k, v in self.extras)])
+
+    def value(self, dim: str) -> Any:
+        """The arm's value of `dim` (NORM, PLACEMENT or a config key; None for a knob its norm does not read)."""
+        if dim == NORM:
+            return self.norm
+        if dim == PLACEMENT:
+            return self.placement
+        return dict(self.extras).get(dim)
 
     def sort_key(self) -> tuple:
         return (order_key(self.norm, NORMS), order_key(self.placement, PLACEMENTS), self.extras_key())
@@ -78,6 +102,46 @@ def _reads(norm: str, key: str) -> bool:
     return knob == key or norm not in NORM_TRAITS or knob in NORM_TRAITS[norm].knobs
 
 
+def varying_dims(arms: list[Arm]) -> list[str]:
+    """What differs between `arms`: NORM, PLACEMENT (each if it takes more than one value), then the config keys."""
+    extras = list(dict.fromkeys(k for arm in arms for k, _ in arm.extras))
+    return [dim for dim in (NORM, PLACEMENT, *extras) if len({repr(arm.value(dim)) for arm in arms}) > 1]
+
+
+def labelled(arm: Arm, dims: list[str]) -> Arm:
+    """`arm` labelled by its values of `dims` alone: 'rms-pre' when both norm and placement vary, 'rms' or 'pre'
+    when one does, then `key=value` of each other key (a knob its norm does not read is left out)."""
+    head = "-".join(str(arm.value(d)) for d in (NORM, PLACEMENT) if d in dims)
+    tail = [f"{d}={arm.value(d)}" for d in dims if d not in (NORM, PLACEMENT) and arm.value(d) is not None]
+    return replace(arm, label=" ".join(filter(None, [head, *tail])) or arm.full_label)
+
+
+def common_settings(runs: list[Run]) -> list[tuple[str, Any]]:
+    """The config keys every run (that records the key) shares, as (key, value): norm and placement first, then
+    the config's order; unset values, bookkeeping keys and norm knobs none of the runs' norms read left out."""
+    keys = list(dict.fromkeys(k for run in runs for k in run.settings))
+    shared = []
+    for key in keys:
+        values = {repr(run.settings[key]) for run in runs if key in run.settings}
+        value = next(run.settings[key] for run in runs if key in run.settings)
+        if len(values) > 1 or value in (None, (), []):
+            continue
+        bookkeeping = any(key == p or key.startswith(p + ".") for p in NOT_ARM_KEYS if p not in ("lr", "seed"))
+        if not bookkeeping and any(_reads(run.norm, key) for run in runs):
+            shared.append(("norm" if key == "norm.name" else key, value))
+    first = [item for item in shared if item[0] in (NORM, PLACEMENT)]
+    return first + [item for item in shared if item[0] not in (NORM, PLACEMENT)]
+
+
+def setting_text(key: str, value: Any) -> str:
+    """`key=value` as an override would write it: lr as 3e-3, a list as [a,b]."""
+    if key == "lr":
+        return f"lr={format_lr(to_float(value))}"
+    if isinstance(value, (list, tuple)):
+        return f"{key}=[{','.join(map(str, value))}]"
+    return f"{key}={value}"
+
+
 def condition_label(arm: Arm, lr: float) -> str:
     """What a plot panel holds fixed across arms: the lr and the extra keys, e.g. 'lr=1e-3 depth=8'."""
     return " ".join([f"lr={format_lr(lr)}", *(f"{k}={v}" for k, v in arm.extras)])
@@ -87,11 +151,12 @@ def lr_sensitivity(loss_at_lr: Mapping[float, float], init_loss: float) -> float
     """Wortsman et al. 2023: mean over the swept lrs η of [min(ℓ(η), ℓ₀) − ℓ*], with ℓ* = min_η ℓ(η).
 
     ℓ(η) is +inf for a run that diverged or failed, so it contributes ℓ₀ − ℓ*.
-    NaN when there is no lr, no ℓ₀, or every lr diverged (no ℓ*).
+    NaN when there are fewer than two lrs (one lr says nothing of the sensitivity, and its formula
+    would give 0), no ℓ₀, or every lr diverged (no ℓ*).
     """
     losses = list(loss_at_lr.values())
     best = min(losses, default=math.inf)
-    if not (losses and math.isfinite(best) and math.isfinite(init_loss)):
+    if not (len(losses) > 1 and math.isfinite(best) and math.isfinite(init_loss)):
         return math.nan
     return sum(min(loss, init_loss) - best for loss in losses) / len(losses)
 
@@ -142,10 +207,29 @@ class ArmResult:
     sensitivity: float = math.nan
     sensitivity_std: float = math.nan  # over seeds that ran every lr, when there are two or more
     n_seeds_for_std: int = 0
+    stability: ArmStability | None = None
 
     @property
     def runs(self) -> list[Run]:
         return [run for point in self.points for run in point.runs]
+
+    @property
+    def best_point(self) -> LrPoint | None:
+        """The runs at the best lr (None when no lr finished every seed)."""
+        return next((p for p in self.points if p.lr == self.best_lr), None)
+
+    @property
+    def n_lost(self) -> int:
+        return sum(point.n_lost for point in self.points)
+
+    @property
+    def n_counted(self) -> int:
+        return sum(len(point.counted) for point in self.points)
+
+    def rank_key(self) -> tuple:
+        """Best final validation loss first; arms without one last, in normlab's order."""
+        finite = math.isfinite(self.best_loss)
+        return (not finite, self.best_loss if finite else 0.0, self.arm.sort_key())
 
 
 def summarize_arm(arm: Arm, runs: list[Run]) -> ArmResult:
@@ -153,7 +237,7 @@ def summarize_arm(arm: Arm, runs: list[Run]) -> ArmResult:
     for run in runs:
         by_lr.setdefault(run.lr, []).append(run)
     points = [LrPoint(lr, sorted(rs, key=lambda r: (value_key(r.seed), str(r.path)))) for lr, rs in sorted(by_lr.items())]
-    result = ArmResult(arm, points)
+    result = ArmResult(arm, points, stability=arm_stability(runs))
     result.init_loss = _mean_finite(run.init_loss for run in runs)
     loss_at_lr = {p.lr: p.loss for p in points if p.counted}
     if loss_at_lr:
@@ -186,3 +270,17 @@ def _per_seed_sensitivities(points: list[LrPoint]) -> list[float]:
 def _mean_finite(values: Iterable[float]) -> float:
     finite = [v for v in values if math.isfinite(v)]
     return statistics.fmean(finite) if finite else math.nan
+
+
+def sensitivity_reason(result: ArmResult) -> str | None:
+    """Why the arm has no LR sensitivity, in a few words; None when it has one."""
+    if math.isfinite(result.sensitivity):
+        return None
+    lrs = [p.lr for p in result.points if p.counted]
+    if not lrs:
+        return "no run of the arm has ended (all still running or killed)"
+    if len(lrs) == 1:
+        return f"it needs at least two learning rates; the arm ran one (lr={format_lr(lrs[0])})"
+    if not math.isfinite(result.best_loss):
+        return "every learning rate of the arm diverged or failed, so there is no best loss ℓ*"
+    return "no validation loss at step 0 (ℓ₀): the runs did not evaluate at initialization"

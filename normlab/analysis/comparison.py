@@ -1,14 +1,18 @@
 """The comparison: run dirs loaded and grouped into arms (build_comparison), with what the report and the
-plots need from them (Comparison)."""
+plots need from them (Comparison): the arms ranked, their labels and common settings, the runs that
+never trained, and the arms whose runs ran in different environments."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from normlab.analysis.arms import Arm, ArmResult, arm_keys, arm_of, summarize_arm
-from normlab.analysis.runs import METRICS, CompareError, Run, load_run
+from normlab.analysis.arms import Arm, ArmResult, arm_keys, arm_of, common_settings, labelled, summarize_arm, varying_dims
+from normlab.analysis.records import METRICS
+from normlab.analysis.runs import CompareError, Run, load_run
+
 
 @dataclass
 class Comparison:
@@ -20,40 +24,77 @@ class Comparison:
     root: Path  # common ancestor of the run dirs; run dirs are shown relative to it
     notes: list[str] = field(default_factory=list)
     measure: str = "val_loss"  # what every loss of the comparison is in (see comparison_measure)
+    dims: list[str] = field(default_factory=list)  # what varies between the arms (arms.varying_dims)
+    common: list[tuple[str, Any]] = field(default_factory=list)  # the settings every run shares
+    not_started: list[Run] = field(default_factory=list)  # failed before their first step: in no arm
+    environment_warnings: list[str] = field(default_factory=list)  # one line per arm whose runs' environments differ
 
     def run_label(self, run: Run) -> str:
         rel = os.path.relpath(run.path, self.root)
         return run.path.name if rel == "." else rel
 
+    @property
+    def ranked(self) -> list[ArmResult]:
+        return sorted(self.arms, key=ArmResult.rank_key)
+
 
 def build_comparison(run_dirs: list[Path]) -> Comparison:
-    """Load the run dirs and group them into arms. Unreadable runs are skipped with a note."""
-    runs, notes = [], []
+    """Load the run dirs and group them into arms. Unreadable runs are skipped with a note; runs that failed
+    before their first step are set apart (Comparison.not_started)."""
+    loaded, notes = [], []
     for path in run_dirs:
         try:
-            runs.append(load_run(path))
+            loaded.append(load_run(path))
         except CompareError as err:
             notes.append(f"skipped {err}")
-    if not runs:
+    if not loaded:
         raise CompareError(f"no readable runs: {notes[0].removeprefix('skipped ')}" if notes else "no runs")
+    runs = [run for run in loaded if not run.did_not_start]
     measure = comparison_measure(runs)
     for run in runs:
         run.measure = measure
     keys = arm_keys(runs)
-    arm_by_path = {run.path: arm_of(run, keys) for run in runs}
     grouped: dict[Arm, list[Run]] = {}
     for run in runs:
-        grouped.setdefault(arm_by_path[run.path], []).append(run)
-    grouped = {arm: _once_each(members, keys, notes) for arm, members in grouped.items()}
+        grouped.setdefault(arm_of(run, keys), []).append(run)
+    dims = varying_dims(list(grouped))
+    grouped = {labelled(arm, dims): _once_each(members, keys, notes) for arm, members in grouped.items()}
     arms = [summarize_arm(arm, grouped[arm]) for arm in sorted(grouped, key=Arm.sort_key)]
     ordered = [run for result in arms for run in result.runs]
-    root = Path(os.path.commonpath([run.path for run in ordered]))
-    for run in ordered:
+    notes += _run_notes(ordered)
+    return Comparison(
+        runs=ordered, arms=arms, arm_of={run.path: result.arm for result in arms for run in result.runs},
+        root=Path(os.path.commonpath([run.path for run in loaded])), notes=notes, measure=measure, dims=dims,
+        common=common_settings(runs), not_started=[run for run in loaded if run.did_not_start],
+        environment_warnings=[w for result in arms if (w := environment_warning(result))],
+    )  # fmt: skip
+
+
+def _run_notes(runs: list[Run]) -> list[str]:
+    notes = []
+    for run in runs:
         if run.outcome_loss is None:
             notes.append(f"{run.path.name} has status {run.status!r} (killed or still running): left out of the LR sensitivity")
         if run.bad_lines:
-            notes.append(f"{run.path.name}: {run.bad_lines} line(s) of {METRICS} were not readable rows (torn, not UTF-8 JSON, or of the wrong types) and were ignored")
-    return Comparison(runs=ordered, arms=arms, arm_of=arm_by_path, root=root, notes=notes, measure=measure)
+            kind = "JSON" if run.metrics_file == METRICS else "CSV"
+            notes.append(f"{run.path.name}: {run.bad_lines} line(s) of {run.metrics_file} were not readable rows "
+                         f"(torn, not UTF-8 {kind}, or of the wrong types) and were ignored")
+    return notes
+
+
+def environment_warning(result: ArmResult) -> str | None:
+    """One line naming what differs between the environment blocks of the arm's runs (runs without one are
+    not compared); None when nothing does."""
+    blocks = [run.environment for run in result.runs if run.environment is not None]
+    names = list(dict.fromkeys(key for block in blocks for key in block))
+    differ = []
+    for name in names:
+        values = list(dict.fromkeys(repr(block.get(name)) for block in blocks))
+        if len(values) > 1:
+            differ.append(f"{name} " + " vs ".join(v.strip("'") for v in values))
+    if not differ:
+        return None
+    return f"{result.arm.label}: its runs ran in different environments ({'; '.join(differ)}): their numbers may differ for that alone"
 
 
 def _once_each(members: list[Run], keys: list[str], notes: list[str]) -> list[Run]:

@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from normlab.analysis.comparison import build_comparison
+from normlab.analysis.comparison import Comparison, build_comparison
+from normlab.analysis.ranking import terminal_summary
 from normlab.analysis.runs import CONFIG, METRICS, SUMMARY, CompareError, find_run_dirs
 from normlab.util.errors import fail
 
@@ -29,6 +30,11 @@ def default_report_dir(paths: list[str], run_dirs: list[Path]) -> Path:
 
 def compare(paths: list[str], out: str | os.PathLike | None = None) -> Path:
     """Find the runs under `paths`, write report.md and the PNG plots into the report dir, and return its path."""
+    return write_comparison(paths, out)[1]
+
+
+def write_comparison(paths: list[str], out: str | os.PathLike | None = None) -> tuple[Comparison, Path]:
+    """compare(), returning the comparison too."""
     run_dirs = find_run_dirs(paths)
     if not run_dirs:
         raise CompareError(f"no runs under {', '.join(map(str, paths))}: a run dir holds {SUMMARY}, {METRICS} or {CONFIG}")
@@ -48,7 +54,7 @@ def compare(paths: list[str], out: str | os.PathLike | None = None) -> Path:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         option = "--out" if out is not None else "the report dir"
         raise CompareError(f"{option} {report_dir}: cannot write the report there: {reason}: choose another with --out DIR") from None
-    return report_dir
+    return comparison, report_dir
 
 
 def main(argv: list[str]) -> int:
@@ -68,8 +74,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", metavar="DIR", help="report dir (default: <sweep dir>/report, else outputs/reports/<time>)")
     args = parser.parse_args(argv)
     try:
-        report_dir = compare(args.paths, args.out)
+        comparison, report_dir = write_comparison(args.paths, args.out)
     except CompareError as err:
         return fail(err)
-    print(report_dir)
+    print("\n".join(terminal_summary(comparison)))
+    print(f"\nreport: {report_dir / 'report.md'}")
     return 0

@@ -1,4 +1,5 @@
-"""report.md: the comparison as Markdown tables (runs, LR sensitivity, seeds) with the plots below.
+"""report.md: the answer first (the ranked arms, ranking.py), then the details as Markdown tables (runs,
+LR sensitivity, seeds), the plots and the notes.
 
 Numbers are printed from the same values the run dirs hold: losses to 4 decimals,
 throughput to whole tokens/s. A value that does not exist (no final loss for a
@@ -13,7 +14,10 @@ from typing import Any
 
 from normlab.analysis.arms import mean_std
 from normlab.analysis.comparison import Comparison
-from normlab.analysis.plots import Plot
+from normlab.analysis.figures import Layout
+from normlab.analysis.plots import FOCUS, Plot
+from normlab.analysis.ranking import answer, common_line, definitions, markdown_table, ranking
+from normlab.analysis.ranking import header as ranking_header
 from normlab.analysis.runs import MEASURES
 from normlab.config import NORM_TRAITS, format_lr
 
@@ -39,12 +43,6 @@ def _cell(value: Any) -> str:
     return MISSING if value is None else str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def _table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
-
-
 def runs_section(comparison: Comparison) -> list[str]:
     rows = []
     for run in comparison.runs:
@@ -62,7 +60,7 @@ def runs_section(comparison: Comparison) -> list[str]:
             _cell(run.diverged_step),
             f"{tokens_per_s:.0f}" if math.isfinite(tokens_per_s) else MISSING,
         ])  # fmt: skip
-    lines = ["## Runs", "", *_table(_in_measure(RUN_COLUMNS, comparison), rows)]
+    lines = ["## Runs", "", *markdown_table(_in_measure(RUN_COLUMNS, comparison), rows)]
     incomplete = [run for run in comparison.runs if run.status == "incomplete"]
     if incomplete:
         lines += ["", "Incomplete runs (no summary.json: killed, or still running):", ""]
@@ -101,7 +99,7 @@ def sensitivity_section(comparison: Comparison) -> list[str]:
         "means less sensitive to the learning rate. The std column is the spread of the sensitivity "
         "computed per seed, over the seeds that ran every learning rate.",
         "",
-        *_table(header, rows),
+        *markdown_table(header, rows),
     ]
     lr_sets = {tuple(p.lr for p in r.points if p.counted) for r in comparison.arms}
     if len(lr_sets) > 1:
@@ -134,14 +132,15 @@ def seeds_section(comparison: Comparison) -> list[str]:
         "Mean ± sample standard deviation over the seeds that completed; seeds that diverged or failed "
         "are counted in the last column and left out of the mean (the LR sensitivity counts them as +∞).",
         "",
-        *_table(header, rows),
+        *markdown_table(header, rows),
     ]
 
 
 def plots_section(comparison: Comparison, plots: list[Plot]) -> list[str]:
-    lines = ["## Plots", "", "Colour: norm; line style: placement. Diverged runs end at the last step before divergence (×)."]
+    lines = ["## Plots", "", plots_legend(comparison)]
     for name, traits in NORM_TRAITS.items():
         if traits.batch_statistics and any(run.norm == name for run in comparison.runs):
+            lines += [""]
             lines.append(
                 f"{traits.title}'s training loss is not causal (batch statistics include later tokens): compare "
                 f"{traits.title} arms by validation loss."
@@ -152,6 +151,19 @@ def plots_section(comparison: Comparison, plots: list[Plot]) -> list[str]:
     if any(p.file.startswith("layers_") and not p.skipped for p in plots):
         lines += ["", "Per-layer plots: the first telemetry row (initialization) and the last one (before divergence, if any)."]
     return lines
+
+
+def plots_legend(comparison: Comparison) -> str:
+    """How the plots tell arms and seeds apart, in one paragraph."""
+    layout = Layout([result.arm for result in comparison.arms], comparison.dims)
+    ways = [f"colour: {layout.colour_dim}" if layout.colour_dim else "", f"line style: {layout.style_dim}" if layout.style_dim else ""]
+    panels = [*layout.panel_dims, "lr (loss curves, per-layer plots)"]
+    return (
+        f"Arms: {'; '.join(w for w in ways if w) or 'one arm'}; a panel per {', '.join(panels)}. Several seeds are "
+        "drawn as their mean with a band from the lowest to the highest seed (one seed: a plain line). Loss curves "
+        f"show the training from {FOCUS:.0%} of its steps on (the first steps' fall would flatten the rest). Diverged "
+        "runs end at the last step before divergence (×)."
+    )
 
 
 def _in_measure(header: tuple[str, ...], comparison: Comparison) -> tuple[str, ...]:
@@ -171,17 +183,53 @@ def measure_note(comparison: Comparison) -> list[str]:
     ]
 
 
+def answer_section(comparison: Comparison) -> list[str]:
+    """The ranked table of arms, its footnotes and definitions, and the settings every run shares."""
+    rows, footnotes = ranking(comparison)
+    lines = ["## Ranking", ""]
+    lines += [*markdown_table(ranking_header(comparison), rows), ""] if rows else []
+    lines += [*footnotes, "" if footnotes else None, definitions(comparison), "", common_line(comparison)]
+    return [line for line in lines if line is not None]
+
+
+def warnings_section(comparison: Comparison) -> list[str]:
+    """The arms whose runs ran in different environments (summary.json's environment block)."""
+    if not comparison.environment_warnings:
+        return []
+    return ["## Warnings", "", *(f"- {_cell(w)}" for w in comparison.environment_warnings), ""]
+
+
+def not_started_section(comparison: Comparison) -> list[str]:
+    """The runs that failed before their first step, each with its error: in no arm, no table, no plot."""
+    if not comparison.not_started:
+        return []
+    return [
+        "## Did not start",
+        "",
+        "These runs failed before their first step (no metric row): they are in no arm, table or plot.",
+        "",
+        *(f"- `{comparison.run_label(run)}`: {_cell(run.error)}" for run in comparison.not_started),
+        "",
+    ]
+
+
 def write_report(comparison: Comparison, out: Path, plots: list[Plot], sources: list[str]) -> Path:
-    """Write `out`/report.md and return its path."""
+    """Write `out`/report.md and return its path: the answer first (the ranked arms), then the details."""
     n_arms = len(comparison.arms)
     lines = [
         "# normlab comparison",
+        "",
+        f"**{answer(comparison)}**",
         "",
         f"{len(comparison.runs)} runs in {n_arms} arm{'s' if n_arms != 1 else ''}, read from "
         + ", ".join(f"`{s}`" for s in sources)
         + f". Run dirs are shown relative to `{comparison.root}`.",
         *measure_note(comparison),
         "",
+        *answer_section(comparison),
+        "",
+        *warnings_section(comparison),
+        *not_started_section(comparison),
         *runs_section(comparison),
         "",
         *sensitivity_section(comparison),

@@ -1,0 +1,143 @@
+"""The answer at a glance: the arms ranked by their best final validation loss, with their LR sensitivity,
+losses and stability, as the table report.md opens with and `normlab compare` prints.
+
+A value that does not exist is an em dash; where the reason is not obvious (an LR sensitivity with
+one learning rate), the dash carries a footnote mark and the footnote says why.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from normlab.analysis.arms import ArmResult, mean_std, sensitivity_reason, setting_text
+from normlab.analysis.comparison import Comparison
+from normlab.analysis.runs import MEASURES
+from normlab.analysis.stability import SPIKE_K, SPIKE_WINDOW
+from normlab.config import format_lr
+
+MISSING = "—"
+MARKS = "¹²³⁴⁵⁶⁷⁸⁹"
+HEADER = ("rank", "arm", "final val loss", "seeds", "best lr", "LR sensitivity", "diverged/failed",
+          "max grad norm", "max attn logit", "loss spikes")  # fmt: skip
+
+
+def number(value: float, digits: int = 4) -> str:
+    return f"{value:.{digits}f}" if math.isfinite(value) else MISSING
+
+
+def figure(value: float) -> str:
+    """A stability figure: three significant digits, whole numbers without a decimal point."""
+    if not math.isfinite(value):
+        return MISSING
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def header(comparison: Comparison) -> tuple[str, ...]:
+    return tuple(c.replace("val loss", MEASURES[comparison.measure]) for c in HEADER)
+
+
+def ranking(comparison: Comparison) -> tuple[list[list[str]], list[str]]:
+    """The ranked table's rows (cells as text) and its footnotes, each footnote once, marked ¹, ², ..."""
+    footnotes: list[str] = []
+    rows = []
+    for rank, result in enumerate(comparison.ranked, start=1):
+        reason = sensitivity_reason(result)
+        sensitivity = number(result.sensitivity)
+        if reason is not None:
+            note = f"LR sensitivity: {reason}."
+            if note not in footnotes:
+                footnotes.append(note)
+            sensitivity = MISSING + MARKS[min(footnotes.index(note), len(MARKS) - 1)]
+        rows.append([
+            str(rank) if math.isfinite(result.best_loss) else MISSING,
+            result.arm.label,
+            *_best_cells(result),
+            sensitivity,
+            f"{result.n_lost} of {result.n_counted}",
+            *_stability_cells(result),
+        ])  # fmt: skip
+    return rows, [f"{MARKS[min(i, len(MARKS) - 1)]} {note}" for i, note in enumerate(footnotes)]
+
+
+def _best_cells(result: ArmResult) -> list[str]:
+    """final val loss (mean ± std over the seeds at the best lr), seeds, best lr."""
+    point = result.best_point
+    if point is None:
+        return [MISSING, MISSING, MISSING]
+    mean, std = mean_std(point.finished_losses)
+    loss = f"{mean:.4f} ± {std:.4f}" if math.isfinite(std) else number(mean)
+    return [loss, str(len(point.finished_losses)), format_lr(point.lr)]
+
+
+def _stability_cells(result: ArmResult) -> list[str]:
+    stability = result.stability
+    if stability is None:
+        return [MISSING] * 3
+    spikes = MISSING if stability.spikes is None else str(stability.spikes)
+    if stability.spikes:
+        spikes += f" ({stability.runs_with_spikes} of {stability.runs_checked} runs)"
+    return [figure(stability.max_grad_norm), figure(stability.max_attn_logit), spikes]
+
+
+def definitions(comparison: Comparison) -> str:
+    """What each column of the ranked table means, as one paragraph."""
+    measure = MEASURES[comparison.measure]
+    return (
+        f"Arms ranked by their final {measure} at their best learning rate: the mean ± sample std over its "
+        f"seeds at the lr whose seed mean is lowest among the lrs where no seed diverged or failed. LR "
+        "sensitivity (Wortsman et al. 2023) is over all the arm's lrs (see below); diverged/failed counts "
+        "its runs that ended. Stability is over every run of the arm (all lrs and seeds), up to any "
+        "divergence: max grad norm is the largest logged global gradient norm (`grad_norm`, before "
+        "clipping); max attn logit the largest pre-softmax attention logit of any block "
+        "(`attn/logit_max/L..` telemetry; — without it); loss spikes counts the logged training losses "
+        f"above the mean of the {SPIKE_WINDOW} logged losses before them by more than {SPIKE_K:g} of their "
+        "standard deviations (OLMo-core's StabilityMonitorCallback rule; — when no run logged more than "
+        f"{SPIKE_WINDOW} losses)."
+    )
+
+
+def answer(comparison: Comparison) -> str:
+    """The one-line answer: the best arm, its lr and loss; or why there is none."""
+    if not comparison.arms:
+        return "No run trained: every run failed before its first step (see Did not start)."
+    best = comparison.ranked[0]
+    if not math.isfinite(best.best_loss) or best.best_point is None:
+        return "No arm has a learning rate at which every seed finished: no arm can be ranked."
+    mean, _ = mean_std(best.best_point.finished_losses)
+    seeds = len(best.best_point.finished_losses)
+    return (f"Best: {best.arm.label} at lr={format_lr(best.best_lr)}, final {MEASURES[comparison.measure]} "
+            f"{mean:.4f} ({seeds} seed{'s' if seeds != 1 else ''}).")
+
+
+def common_line(comparison: Comparison) -> str:
+    return "Common settings (every run): " + (" ".join(setting_text(k, v) for k, v in comparison.common) or MISSING)
+
+
+def aligned(head: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    """Rows as text columns padded to a common width (two spaces apart)."""
+    widths = [max(len(row[i]) for row in [list(head), *rows]) for i in range(len(head))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [list(head), *rows]]
+
+
+def terminal_summary(comparison: Comparison, shown_not_started: int = 5) -> list[str]:
+    """What `normlab compare` prints before the report's path: the answer, the ranked table, its footnotes,
+    the common settings, the environment warnings and the runs that did not start."""
+    rows, footnotes = ranking(comparison)
+    lines = [f"{len(comparison.runs)} runs in {len(comparison.arms)} arms. {answer(comparison)}"]
+    if rows:
+        lines += ["", *aligned(header(comparison), rows), *footnotes]
+    lines += ["", common_line(comparison)]
+    lines += [f"warning: {w}" for w in comparison.environment_warnings]
+    for run in comparison.not_started[:shown_not_started]:
+        lines.append(f"did not start: {comparison.run_label(run)}: {run.error}")
+    if len(comparison.not_started) > shown_not_started:
+        lines.append(f"did not start: {len(comparison.not_started) - shown_not_started} more (see report.md)")
+    return lines
+
+
+def markdown_table(head: tuple[str, ...] | list[str], rows: list[list[Any]]) -> list[str]:
+    """A Markdown table; a `|` inside a cell is escaped."""
+    cells = [[str(c).replace("|", "\\|").replace("\n", " ") for c in row] for row in rows]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in cells]

@@ -1,40 +1,38 @@
 """The comparison's PNG plots, drawn on matplotlib's Agg canvas (headless: pyplot is never imported).
 
-Colour says the norm, line style the placement. Loss curves and per-layer profiles get
-one panel per condition (learning rate, plus any config key that splits arms, such as
-depth), so every panel compares arms under the same settings. Diverged runs end at the
-last step before divergence, marked ×; non-finite points are never drawn.
+Arms are told apart as figures.Layout says (colour, line style, panels by what varies), with one
+legend below the panels. Each arm's seeds are drawn as their mean with a min–max band (one seed:
+a plain line). Diverged runs end at the last step before divergence, marked ×; non-finite points
+are never drawn.
 """
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from matplotlib import colormaps
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.colors import LogNorm
-from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import MaxNLocator, NullFormatter
 
 from normlab import keys
-from normlab.analysis.arms import Arm, condition_label, mean_std, order_key
+from normlab.analysis.arms import ArmResult, mean_std
 from normlab.analysis.comparison import Comparison
+from normlab.analysis.figures import FONT, Grid, Layout, columns, log_if_wide
 from normlab.analysis.runs import Run
-from normlab.config import NORMS, PLACEMENTS
+from normlab.analysis.stability_plot import draw_stability
+from normlab.config import format_lr
 
 LOSS_CURVES = (("loss", "loss_train.png", "training loss"), ("val_loss", "loss_val.png", "validation loss"))
 LOSS_VS_LR = "final_val_loss_vs_lr.png"
+STABILITY = "stability.png"
 # The file of each per-layer statistic that keys.LAYER_PROFILES names; one added there without a file
 # here is drawn into layers_<stat with '/' as '_'>.png.
 LAYER_PROFILE_FILES = {keys.GRAD_NORM: "layers_grad_norm.png", keys.RESID_RMS: "layers_resid_rms.png"}
-PLACEMENT_STYLES = ("-", "--", ":", "-.")
-EXTRAS_MARKERS = ("o", "s", "^", "D", "v", "P", "*", "h")
-DIVERGED_MARKER = dict(marker="x", markersize=9, markeredgewidth=2, linestyle="none")
+DIVERGED_MARKER = dict(marker="x", markersize=8, markeredgewidth=2, linestyle="none")
+DIVERGED = Line2D([], [], color="0.3", label="diverged (curve cut)", **DIVERGED_MARKER)
+FOCUS = 0.2  # loss curves' y axis shows the training from this fraction of its steps on
 
 
 @dataclass
@@ -46,203 +44,203 @@ class Plot:
     skipped: str | None = None
 
 
-class Style:
-    """Colour per norm, line style per placement, marker per extra config (e.g. depth)."""
-
-    def __init__(self, arms: list[Arm]):
-        norms = sorted({a.norm for a in arms}, key=lambda n: order_key(n, NORMS))
-        placements = sorted({a.placement for a in arms}, key=lambda p: order_key(p, PLACEMENTS))
-        extras = list(dict.fromkeys(a.extras for a in sorted(arms, key=Arm.extras_key)))
-        palette = colormaps["tab10"].colors
-        self.colors = {n: palette[i % len(palette)] for i, n in enumerate(norms)}
-        self.styles = {p: PLACEMENT_STYLES[i % len(PLACEMENT_STYLES)] for i, p in enumerate(placements)}
-        self.markers = {e: EXTRAS_MARKERS[i % len(EXTRAS_MARKERS)] for i, e in enumerate(extras)}
-
-    def line(self, arm: Arm) -> dict:
-        return dict(color=self.colors[arm.norm], linestyle=self.styles[arm.placement])
-
-    def legend(self) -> list[Line2D]:
-        """Proxy handles: one per norm (colour), one per placement (style)."""
-        handles = [Line2D([], [], color=c, label=f"norm={n}") for n, c in self.colors.items()]
-        handles += [Line2D([], [], color="0.3", linestyle=s, label=f"placement={p}") for p, s in self.styles.items()]
-        return handles
-
-
 def write_plots(comparison: Comparison, out: Path) -> list[Plot]:
     """Draw every plot of the report into `out`; a plot with nothing to show is skipped, with the reason."""
-    style = Style([result.arm for result in comparison.arms])
+    layout = Layout([result.arm for result in comparison.arms], comparison.dims)
     plots = []
     for key, file, label in LOSS_CURVES:
         if key == "val_loss" and comparison.measure == "val_bpb":  # the runs' tokenizers differ
             key, label = "val_bpb", "validation bits per byte"
-        plots.append(_loss_curves(comparison, style, key, label, out / file))
-    plots.append(_loss_vs_lr(comparison, style, out / LOSS_VS_LR))
+        plots.append(_loss_curves(comparison, layout, key, label, out / file))
+    plots.append(_loss_vs_lr(comparison, layout, out / LOSS_VS_LR))
+    plots.append(draw_stability(comparison, layout, out / STABILITY, Plot(STABILITY, "stability of each arm")))
     for stat, label, _ in keys.LAYER_PROFILES:
         file = LAYER_PROFILE_FILES.get(stat, f"layers_{stat.replace('/', '_')}.png")
-        plots.append(_layer_profiles(comparison, style, stat, label, out / file))
+        plots.append(_layer_profiles(comparison, layout, stat, label, out / file))
     for plot in plots:
         if plot.skipped:  # a stale file from an earlier report would contradict report.md
             (out / plot.file).unlink(missing_ok=True)
     return plots
 
 
-def _new_figure(n_panels: int, ncols: int, panel_size=(5.0, 3.6)):
-    nrows = math.ceil(n_panels / ncols)
-    fig = Figure(figsize=(panel_size[0] * ncols + 1.8, panel_size[1] * nrows), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False).flatten()
-    for ax in axes[n_panels:]:
-        ax.set_visible(False)
-    return fig, axes
+def by_panel(comparison: Comparison, layout: Layout) -> dict[tuple, list[ArmResult]]:
+    """The arms of each panel, panels in order."""
+    panels: dict[tuple, list[ArmResult]] = {}
+    for result in comparison.arms:
+        panels.setdefault(layout.panel(result.arm), []).append(result)
+    return {panel: panels[panel] for panel in sorted(panels, key=layout.panel_key)}
 
 
-def _panels(comparison: Comparison) -> dict[str, list[Run]]:
-    """Runs grouped by condition label, in the comparison's order (arm, lr, seed)."""
-    panels: dict[tuple, list[Run]] = {}
-    for run in comparison.runs:
-        arm = comparison.arm_of[run.path]
-        panels.setdefault((arm.extras_key(), run.lr), []).append(run)
-    return {condition_label(comparison.arm_of[rs[0].path], rs[0].lr): rs for _, rs in sorted(panels.items())}
+def lr_text(lr: float) -> str:
+    return f"lr={format_lr(lr)}" if math.isfinite(lr) else "lr=?"
 
 
-def _save(fig: Figure, path: Path) -> None:
-    fig.savefig(path, dpi=110)
+def seed_band(curves: list[tuple[list[int], list[float]]]) -> tuple[np.ndarray, ...]:
+    """steps, and the mean, min and max over the curves that reach each step."""
+    by_step: dict[int, list[float]] = {}
+    for steps, values in curves:
+        for step, value in zip(steps, values):
+            by_step.setdefault(step, []).append(value)
+    steps = sorted(by_step)
+    stacked = [by_step[s] for s in steps]
+    return (np.array(steps), np.array([sum(v) / len(v) for v in stacked]), np.array([min(v) for v in stacked]),
+            np.array([max(v) for v in stacked]))  # fmt: skip
 
 
-def _loss_curves(comparison: Comparison, style: Style, key: str, label: str, path: Path) -> Plot:
+def draw_seeds(ax, runs: list[Run], key: str, line: dict) -> tuple[list[float], list[float]]:
+    """The runs' mean curve of `key` with a min–max band (a plain line for one run), × where a run diverged;
+    returns the values drawn from the FOCUS mark on, and all of them."""
+    curves = [run.curve(key) for run in runs]
+    drawn = [(run, curve) for run, curve in zip(runs, curves) if curve[0]]
+    if not drawn:
+        return [], []
+    steps, mean, low, high = seed_band([curve for _, curve in drawn])
+    ax.plot(steps, mean, linewidth=1.3, **line)
+    if len(drawn) > 1:
+        ax.fill_between(steps, low, high, color=line["color"], alpha=0.18, linewidth=0)
+    for run, (run_steps, values) in drawn:
+        if run.status == "diverged":
+            ax.plot(run_steps[-1], values[-1], color=line["color"], **DIVERGED_MARKER)
+    late = steps >= FOCUS * max(run.settings.get("max_steps") or steps[-1] for run, _ in drawn)
+    return [*high[late], *low[late]], [*high, *low]
+
+
+def _focus(ax, values: list[float], everything: list[float]) -> None:
+    """Show the values from the FOCUS mark on: the first steps' fall from the initial loss would flatten the rest."""
+    if not values:
+        return
+    low, high = min(everything), max(values)
+    pad = 0.06 * (high - low) or 0.01
+    ax.set_ylim(low - pad, high + pad)
+
+
+def _loss_curves(comparison: Comparison, layout: Layout, key: str, label: str, path: Path) -> Plot:
     plot = Plot(path.name, label)
-    panels = _panels(comparison)
     if not any(run.curve(key)[0] for run in comparison.runs):
         plot.skipped = f"no run logged a finite `{key}`"
         return plot
-    fig, axes = _new_figure(len(panels), min(len(panels), 3))
-    for ax, (condition, runs) in zip(axes, panels.items()):
-        for run in runs:
-            steps, values = run.curve(key)
-            if not steps:
-                continue
-            line = style.line(comparison.arm_of[run.path])
-            ax.plot(steps, values, linewidth=1.3, **line)
-            if run.status == "diverged":
-                ax.plot(steps[-1], values[-1], color=line["color"], **DIVERGED_MARKER)
-        ax.set_title(condition, fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    handles = style.legend() + [Line2D([], [], color="0.3", label="diverged (curve cut)", **DIVERGED_MARKER)]
-    fig.legend(handles=handles, loc="outside right upper", fontsize=9)
-    _save(fig, path)
+    panels = [(panel, point.lr, results) for panel, results in by_panel(comparison, layout).items()
+              for point in _points_with(results, key)]
+    diverged = [DIVERGED] if any(run.status == "diverged" for run in comparison.runs) else []
+    per_group = max(sum(1 for p in panels if p[0] == panel) for panel, _, _ in panels)
+    grid = Grid(len(panels), columns(per_group, 5), layout.handles() + diverged)
+    for ax, (panel, lr, results) in zip(grid.axes, panels):
+        late, everything = [], []
+        for result in results:
+            point = next((p for p in result.points if p.lr == lr), None)
+            if point is not None:
+                drawn_late, drawn = draw_seeds(ax, point.runs, key, layout.line(result.arm))
+                late += drawn_late
+                everything += drawn
+        _focus(ax, late, everything)
+        _decorate(ax, layout.panel_title(panel, lr_text(lr)), "step", label)
+    grid.save(path)
     return plot
 
 
-def _loss_vs_lr(comparison: Comparison, style: Style, path: Path) -> Plot:
+def _points_with(results: list[ArmResult], key: str) -> list:
+    """One point per lr at which some arm of `results` has a run that logged `key`, lrs ascending."""
+    points = {p.lr: p for r in results for p in r.points if any(run.curve(key)[0] for run in p.runs)}
+    return [points[lr] for lr in sorted(points, key=lambda lr: (not math.isfinite(lr), lr))]
+
+
+def _decorate(ax, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=FONT + 1)
+    ax.set_xlabel(xlabel, fontsize=FONT)
+    ax.set_ylabel(ylabel, fontsize=FONT)
+    ax.tick_params(labelsize=FONT - 1)
+    ax.grid(alpha=0.3, which="both")
+
+
+def _loss_vs_lr(comparison: Comparison, layout: Layout, path: Path) -> Plot:
+    """Final validation loss against lr, one panel per panel of the layout, all on one y scale: that of the
+    finished runs. A lr where a seed diverged or failed counts as ℓ₀ in the LR sensitivity: its line rises
+    towards ℓ₀, off the top of the panel, and an × on the top edge marks it."""
     plot = Plot(path.name, "final validation loss against learning rate")
-    fig, axes = _new_figure(1, 1, panel_size=(6.5, 4.5))
-    ax = axes[0]
-    handles = []
-    for result in comparison.arms:
-        line = style.line(result.arm)
-        marker = style.markers[result.arm.extras]
-        xs, ys = [], []
-        for point in result.points:
-            if not point.counted:
-                continue
-            if math.isfinite(point.loss):
-                mean_, spread = mean_std(point.finished_losses)
-                xs.append(point.lr)
-                ys.append(mean_)
-                if math.isfinite(spread):
-                    ax.errorbar(point.lr, mean_, yerr=spread, color=line["color"], capsize=3, linestyle="none")
-                ax.plot(point.lr, mean_, marker=marker, color=line["color"], linestyle="none")
-            elif math.isfinite(result.init_loss):
-                # Diverged or failed: drawn at ℓ₀, the value the LR sensitivity gives it.
-                xs.append(point.lr)
-                ys.append(result.init_loss)
-                ax.plot(point.lr, result.init_loss, color=line["color"], **DIVERGED_MARKER)
-        if xs:
-            ax.plot(xs, ys, linewidth=1.5, **line)
-        handles.append(Line2D([], [], marker=marker, label=result.arm.label, **line))
-    if not handles or not ax.lines:
+    if not any(p.counted for r in comparison.arms for p in r.points):
         plot.skipped = "no arm has a finished run"
         return plot
-    init_losses = [r.init_loss for r in comparison.arms if math.isfinite(r.init_loss)]
-    if init_losses:
-        ax.axhline(sum(init_losses) / len(init_losses), color="0.5", linestyle=":", linewidth=1)
-        handles.append(Line2D([], [], color="0.5", linestyle=":", label="loss at initialization ℓ₀"))
-    handles.append(Line2D([], [], color="0.3", label="diverged/failed (at ℓ₀)", **DIVERGED_MARKER))
-    ax.set_xscale("log")
-    ax.set_xlabel("peak learning rate")
-    unit = " (bits per byte)" if comparison.measure == "val_bpb" else ""
-    ax.set_ylabel(f"final validation loss{unit} (mean over seeds, ± std)")
-    ax.grid(alpha=0.3, which="both")
-    fig.legend(handles=handles, loc="outside right upper", fontsize=9)
-    _save(fig, path)
+    lost = [Line2D([], [], color="0.3", label="diverged/failed (= ℓ₀, off the top)", **DIVERGED_MARKER)]
+    panels = by_panel(comparison, layout)
+    grid = Grid(len(panels), 4, layout.handles() + (lost if any(r.n_lost for r in comparison.arms) else []),
+                panel=(4.6, 3.4))
+    unit = " (bits/byte)" if comparison.measure == "val_bpb" else ""
+    finished: list[float] = []
+    for ax, (panel, results) in zip(grid.axes, panels.items()):
+        for result in results:
+            finished += _arm_vs_lr(ax, result, layout.line(result.arm))
+        lrs = sorted({p.lr for r in results for p in r.points if p.counted and math.isfinite(p.lr)})
+        ax.set_xscale("log")
+        ax.set_xticks(lrs, [format_lr(lr) for lr in lrs])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        _decorate(ax, layout.panel_title(panel), "peak learning rate", f"final val loss{unit}, mean ± std")
+    if finished:  # one scale: the panels (depths, widths, ...) compare with each other too
+        pad = 0.08 * (max(finished) - min(finished)) or 0.01
+        for ax in grid.axes:
+            ax.set_ylim(min(finished) - pad, max(finished) + pad)
+    grid.save(path)
     return plot
 
 
-def _layer_profiles(comparison: Comparison, style: Style, stat: str, label: str, path: Path) -> Plot:
+def _arm_vs_lr(ax, result: ArmResult, line: dict) -> list[float]:
+    """One arm: the seeds' mean final loss at each lr, ± their std; where a seed diverged or failed the line
+    goes to ℓ₀ and an × sits on the panel's top edge. Returns the finished values drawn (with their spread)."""
+    xs, ys, drawn = [], [], []
+    for point in result.points:
+        if not point.counted or not math.isfinite(point.lr):
+            continue
+        if math.isfinite(point.loss):
+            mean, spread = mean_std(point.finished_losses)
+            xs.append(point.lr)
+            ys.append(mean)
+            drawn += [mean]
+            if math.isfinite(spread):
+                ax.errorbar(point.lr, mean, yerr=spread, color=line["color"], capsize=3, linestyle="none")
+                drawn += [mean - spread, mean + spread]
+        else:
+            xs.append(point.lr)
+            ys.append(result.init_loss if math.isfinite(result.init_loss) else math.nan)
+            ax.plot(point.lr, 1.0, transform=ax.get_xaxis_transform(), clip_on=False, color=line["color"],
+                    **DIVERGED_MARKER)
+    if xs:
+        ax.plot(xs, ys, marker="o", markersize=4, linewidth=1.5, **line)
+    return drawn
+
+
+def _layer_profiles(comparison: Comparison, layout: Layout, stat: str, label: str, path: Path) -> Plot:
     plot = Plot(path.name, f"per-layer {label} at initialization and at the end")
     if not any(run.has_layer_stat(stat) for run in comparison.runs):
         plot.skipped = f"no run logged per-layer `{stat}/L..` telemetry"
         return plot
-    panels = {c: [r for r in rs if r.has_layer_stat(stat)] for c, rs in _panels(comparison).items()}
-    panels = {c: rs for c, rs in panels.items() if rs}
-    fig, axes = _new_figure(2 * len(panels), 2, panel_size=(4.6, 3.2))
-    for row, (condition, runs) in enumerate(panels.items()):
-        for col, (which, when) in enumerate((("first", "at initialization"), ("last", "at the end"))):
-            ax = axes[2 * row + col]
-            values = []
-            for run in runs:
-                profile = run.layer_profile(stat, which)
+    panels = []
+    for panel, results in by_panel(comparison, layout).items():
+        lrs = sorted({p.lr for r in results for p in r.points if any(run.has_layer_stat(stat) for run in p.runs)})
+        panels.append((panel, None, results))  # at initialization the lr has not acted yet: one panel for all
+        panels += [(panel, lr, results) for lr in lrs]
+    per_group = max(sum(1 for p in panels if p[0] == panel) for panel, _, _ in panels)
+    grid = Grid(len(panels), columns(per_group), layout.handles(), panel=(3.6, 2.8))
+    for ax, (panel, lr, results) in zip(grid.axes, panels):
+        values: list[float] = []
+        for result in results:
+            runs = [run for p in result.points if lr is None or p.lr == lr for run in p.runs]
+            profile = mean_profile(runs, stat, "first" if lr is None else "last")
+            if profile:
                 layers = sorted(profile)
                 ax.plot(layers, [profile[i] for i in layers], marker="o", markersize=3, linewidth=1.3,
-                        **style.line(comparison.arm_of[run.path]))
+                        **layout.line(result.arm))
                 values += profile.values()
-            if values and min(values) > 0:
-                ax.set_yscale("log")
-            ax.set_title(f"{condition}, {when}", fontsize=10)
-            ax.set_xlabel("layer")
-            ax.set_ylabel(label)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(alpha=0.3, which="both")
-    fig.legend(handles=style.legend(), loc="outside right upper", fontsize=9)
-    _save(fig, path)
+        log_if_wide(ax, values)
+        when = "at initialization (every lr)" if lr is None else f"{lr_text(lr)}, at the end"
+        _decorate(ax, layout.panel_title(panel, when), "layer", label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    grid.save(path)
     return plot
 
 
-def layer_heatmap(records, stat: str, title: str) -> bytes:
-    """A layer × step heatmap of the whole-block statistic `stat` (e.g. keys.RESID_RMS) over the
-    `records` that hold it, as PNG bytes. Rows are blocks, bottom to top; a missing or non-finite
-    value is a blank cell. The colour scale is logarithmic when the values are positive and span
-    more than a factor of 10."""
-    profiles = [(record.get("step"), keys.layer_values(record, stat)) for record in records]
-    profiles = [(step, values) for step, values in profiles if values]
-    depth = 1 + max((max(values) for _, values in profiles), default=-1)
-    labels = [keys.layer_label(i, depth) for i in range(depth)]
-    steps = [step for step, _ in profiles]
-    grid = np.array([[values.get(i, np.nan) for _, values in profiles] for i in range(depth)], dtype=float)
-
-    finite = grid[np.isfinite(grid)]
-    log_scale = finite.size > 0 and finite.min() > 0 and finite.max() > 10 * finite.min()
-    width = min(10.0, max(5.0, 0.3 * len(steps) + 2.5))  # wider grows the PNG (and its render time), not legibility
-    height = max(2.5, 0.35 * len(labels) + 1.2)
-    fig = Figure(figsize=(width, height), dpi=100)
-    # Fixed margins in inches, not tight_layout: the labels' sizes are known, and laying out by measuring
-    # them doubled the time a run spends on its heatmaps (a sweep's per-job cost).
-    left, bottom, top, bar, gap, right = 0.75, 0.55, 0.35, 0.15, 0.12, 0.85
-    span = (height - bottom - top) / height
-    ax = fig.add_axes((left / width, bottom / height, (width - left - gap - bar - right) / width, span))
-    colorbar_ax = fig.add_axes(((width - bar - right) / width, bottom / height, bar / width, span))
-    image = ax.imshow(np.ma.masked_invalid(grid), origin="lower", aspect="auto", interpolation="nearest",
-                      cmap="viridis", norm=LogNorm() if log_scale else None)
-    fig.colorbar(image, cax=colorbar_ax)
-    ax.set_yticks(range(len(labels)), labels)
-    stride = max(1, math.ceil(len(steps) / 12))  # at most ~12 step labels
-    ticks = list(range(0, len(steps), stride))
-    ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
-    ax.set_xlabel("step")
-    ax.set_ylabel("block")
-    ax.set_title(title)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
+def mean_profile(runs: list[Run], stat: str, which: str) -> dict[int, float]:
+    """{layer: mean over `runs` of its `which` ('first' or 'last') telemetry value of `stat`}."""
+    by_layer: dict[int, list[float]] = {}
+    for run in runs:
+        for layer, value in run.layer_profile(stat, which).items():
+            by_layer.setdefault(layer, []).append(value)
+    return {layer: sum(v) / len(v) for layer, v in by_layer.items()}

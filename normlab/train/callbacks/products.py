@@ -31,7 +31,7 @@ class TelemetryProducts(Callback):
         if summary.get("status") != "completed" or not self.records or not self.sinks:
             return
         # Here, not at the top: it imports matplotlib, slow and needed only at the end of a completed run.
-        from normlab.analysis.plots import layer_heatmap
+        from normlab.analysis.heatmap import layer_heatmap
 
         columns, rows = keys.layer_table(self.records)
         titles = {stat: title for stat, _, title in keys.LAYER_PROFILES}

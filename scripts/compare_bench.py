@@ -7,10 +7,11 @@ The default grid is 5 norms × 2 placements × 5 learning rates × 3 seeds = 150
 config's shape: 500 steps logged every 10 with per-layer telemetry on every logged row (about 110
 keys a row at depth 4, 240 kB of metrics.jsonl a run), config.json, summary.json with its
 environment block; the high learning rates of `norm=none` and Post-LN diverge, and a few runs have
-a loss spike. It prints the command's wall time (`normlab compare DIR --out ...` as a subprocess:
-interpreter, imports, reading, report and plots; the median of --repeats), where the time goes in
-one in-process call, and this machine's load. --keep DIR writes the run dirs there and keeps them
-(to look at the report); --profile prints cProfile's top functions of one in-process call.
+a loss spike. It prints the command's wall time and CPU time (`normlab compare DIR --out ...` as a
+subprocess: interpreter, imports, reading, report and plots; medians of --repeats; on a loaded
+machine the wall time grows with the load, the CPU time is the wall time on an idle core), where the
+time goes in one in-process call, and this machine's load. --keep DIR writes the run dirs there and
+keeps them (to look at the report); --profile prints cProfile's top functions of one in-process call.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 import os
 import pstats
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -152,11 +154,14 @@ def write_sweep(root: Path, grid: str, steps: int, log_every: int, depth: int) -
     return len(jobs)
 
 
-def timed_command(sweep: Path, out: Path) -> float:
-    start = time.perf_counter()
+def timed_command(sweep: Path, out: Path) -> tuple[float, float]:
+    """Wall and CPU seconds (user + system) of `normlab compare` as a command. On a loaded machine the wall
+    time grows with the load; the CPU time is what the command would take on an idle core."""
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     subprocess.run([*normlab_command(), "compare", str(sweep), "--out", str(out)], env=ENV, check=True,
                    stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter() - start, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def in_process(sweep: Path, out: Path) -> dict[str, float]:
@@ -194,16 +199,17 @@ def main() -> int:
         n = write_sweep(sweep, args.grid, args.steps, args.log_every, args.depth)
         size = sum(p.stat().st_size for p in sweep.rglob("*") if p.is_file()) / 2**20
         print(f"{n} run dirs, {size:.0f} MiB, {args.steps} steps logged every {args.log_every}, depth {args.depth}: {args.grid}")
-        walls = [timed_command(sweep, Path(tmp) / f"report{i}") for i in range(args.repeats)]
-        print(f"normlab compare: {statistics.median(walls):.2f} s (median of {len(walls)}: "
-              + ", ".join(f"{w:.2f}" for w in walls) + ")")
+        load = os.getloadavg()[0]
+        walls, cpus = zip(*(timed_command(sweep, Path(tmp) / f"report{i}") for i in range(args.repeats)))
+        print(f"normlab compare: {statistics.median(walls):.2f} s wall (median of {len(walls)}: "
+              + ", ".join(f"{w:.2f}" for w in walls) + f"), {statistics.median(cpus):.2f} s CPU (user + system)")
         for part, seconds in in_process(sweep, Path(tmp) / "report-in").items():
             print(f"  {part:<26}{seconds:6.2f} s  (in process)")
         if args.profile:
             profiler = cProfile.Profile()
             profiler.runcall(in_process, sweep, Path(tmp) / "report-profile")
             pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
-    print(f"load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())} on {os.cpu_count()} CPUs")
+    print(f"load average: {load:.2f} before, {' '.join(f'{v:.2f}' for v in os.getloadavg())} after, on {os.cpu_count()} CPUs")
     return 0
 
 

@@ -255,3 +255,19 @@ def test_a_real_runs_csv_holds_every_run_level_key_and_compare_reads_it(tmp_path
         steps, values = from_jsonl.curve(key)
         assert from_csv.curve(key)[0] == steps and from_csv.curve(key)[1] == pytest.approx(values, rel=1e-12), key
     assert math.isfinite(from_csv.init_loss) and from_csv.init_loss == from_jsonl.init_loss
+
+
+def test_compare_bench_writes_realistic_runs_and_times_compare(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "compare_bench.py"
+    out = subprocess.run([sys.executable, str(script), "--grid", "norm=none,rms lr=1e-3,1e-1 seed=0,1", "--steps", "60",
+                          "--repeats", "1", "--keep", str(tmp_path / "runs")], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("8 run dirs, ")
+    wall, cpu = map(float, re.search(r"normlab compare: ([\d.]+) s wall .*, ([\d.]+) s CPU", out).groups())
+    assert wall > 0 and cpu > 0
+    comparison = build_comparison(find_run_dirs([tmp_path / "runs"]))
+    assert [r.arm.label for r in comparison.arms] == ["none", "rms"]
+    assert {run.status for run in comparison.runs} == {"completed", "diverged"}  # none at lr 1e-1 diverges
+    assert all(run.has_layer_stat("attn/logit_max") and run.environment for run in comparison.runs)

@@ -1,7 +1,8 @@
 """`normlab compare PATH...`: the ablation's answer, read from run dirs (never from wandb).
 
-The command finds the run dirs, builds the comparison (runs.py and arms.py: runs, arms, LR
-sensitivity) and writes it as report.md (report.py) and PNG plots (plots.py) into a report dir.
+The command finds the run dirs, builds the comparison (comparison.py: runs, arms, LR sensitivity,
+stability), prints the ranked arms (ranking.py) and writes report.md (report.py) and PNG plots
+(plots.py) into a report dir.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def main(argv: list[str]) -> int:
 
     parser = Parser(
         prog="normlab compare",
-        description="Compare runs: loss curves, final loss against lr, per-layer statistics, "
-        "LR sensitivity and seed spread, from the run dirs' files (never wandb).",
+        description="Compare runs: print the arms ranked by final validation loss (with their LR sensitivity, "
+        "seeds and stability), and write report.md and PNG plots, from the run dirs' files (never wandb).",
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="a run dir, a sweep dir, or the outputs/ root")
     parser.add_argument("--out", metavar="DIR", help="report dir (default: <sweep dir>/report, else outputs/reports/<time>)")

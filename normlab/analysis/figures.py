@@ -18,7 +18,7 @@ from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from normlab.analysis.arms import NORM, PLACEMENT, Arm, order_key, value_key
 from normlab.config import NORMS, PLACEMENTS
@@ -113,11 +113,20 @@ class Grid:
 
 
 def log_if_wide(ax, values: list[float], axis: str = "y") -> None:
-    """A log scale when the values are positive and span more than a factor of 10 (minor ticks unlabelled,
-    so that their labels do not crowd the axis label); linear otherwise."""
-    if values and min(values) > 0 and max(values) > 10 * min(values):
-        getattr(ax, f"set_{axis}scale")("log")
-        getattr(ax, f"{axis}axis").set_minor_formatter(NullFormatter())
+    """A log scale when the values are positive and span more than a factor of 10, linear otherwise. Its
+    labels are plain numbers (0.5, 2, 20, not 5 × 10⁻¹), at 1, 2 and 5 of each decade over three decades
+    or fewer, so that a value can be read off; at 1 alone over more."""
+    if not (values and min(values) > 0 and max(values) > 10 * min(values)):
+        return
+    getattr(ax, f"set_{axis}scale")("log")
+    scale = getattr(ax, f"{axis}axis")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    scale.set_major_formatter(plain)
+    if max(values) <= 1000 * min(values):
+        scale.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+        scale.set_minor_formatter(plain)
+    else:
+        scale.set_minor_formatter(NullFormatter())
 
 
 def columns(per_group: int, most: int = 6) -> int:

@@ -148,7 +148,7 @@ def _decorate(ax, title: str, xlabel: str, ylabel: str) -> None:
     ax.set_title(title, fontsize=FONT + 1)
     ax.set_xlabel(xlabel, fontsize=FONT)
     ax.set_ylabel(ylabel, fontsize=FONT)
-    ax.tick_params(labelsize=FONT - 1)
+    ax.tick_params(which="both", labelsize=FONT - 1)
     ax.grid(alpha=0.3, which="both")
 
 

@@ -110,8 +110,14 @@ def answer(comparison: Comparison) -> str:
             f"{mean:.4f} ({seeds} seed{'s' if seeds != 1 else ''}).")
 
 
-def common_line(comparison: Comparison) -> str:
-    return "Common settings (every run): " + (" ".join(setting_text(k, v) for k, v in comparison.common) or MISSING)
+def common_line(comparison: Comparison, code: bool = False) -> str:
+    """The settings every run shares, `key=value` each (as Markdown code spans with `code`)."""
+    items = [f"`{setting_text(k, v)}`" if code else setting_text(k, v) for k, v in comparison.common]
+    return "Common settings (every run): " + (" ".join(items) or MISSING)
+
+
+def count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def aligned(head: tuple[str, ...], rows: list[list[str]]) -> list[str]:
@@ -124,7 +130,7 @@ def terminal_summary(comparison: Comparison, shown_not_started: int = 5) -> list
     """What `normlab compare` prints before the report's path: the answer, the ranked table, its footnotes,
     the common settings, the environment warnings and the runs that did not start."""
     rows, footnotes = ranking(comparison)
-    lines = [f"{len(comparison.runs)} runs in {len(comparison.arms)} arms. {answer(comparison)}"]
+    lines = [f"{count(len(comparison.runs), 'run')} in {count(len(comparison.arms), 'arm')}. {answer(comparison)}"]
     if rows:
         lines += ["", *aligned(header(comparison), rows), *footnotes]
     lines += ["", common_line(comparison)]

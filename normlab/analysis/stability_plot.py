@@ -70,7 +70,7 @@ def _value(figure: RunStability, name: str) -> float | None:
 
 def _axes(ax, title: str, values: list[float], missing: str, labels: list[str]) -> None:
     ax.set_title(title, fontsize=FONT + 1)
-    ax.tick_params(labelsize=FONT - 1)
+    ax.tick_params(which="both", labelsize=FONT - 1)
     ax.grid(alpha=0.3, axis="x", which="both")
     ax.set_yticks(range(len(labels)), labels, fontsize=FONT)
     ax.set_ylim(len(labels) - 0.5, -0.5)  # the best arm on top

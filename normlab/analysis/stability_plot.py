@@ -57,7 +57,7 @@ def draw_stability(comparison: Comparison, layout: Layout, path: Path, plot):
         values = [x for xs, _ in dots.values() for x in xs]
         labels = [r.arm.label for r in ranked]
         _axes(ax, title, values, missing, labels if name == PANELS[0][0] else [""] * len(labels))
-        if name == "spikes":
+        if name == "spikes" and values:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     grid.save(path)
     return plot

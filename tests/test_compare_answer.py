@@ -214,6 +214,7 @@ def test_stability_figures_of_a_run_and_its_arm(tmp_path):
     [row] = table(report, "Ranking")
     assert (row["max grad norm"], row["max attn logit"], row["loss spikes"]) == ("42", "62", "1 (1 of 2 runs)")
     assert "by more than 6 of their standard deviations (OLMo-core's StabilityMonitorCallback rule" in report
+    assert "Common settings (every run): `norm=rms` `placement=pre` " in report  # one arm: its norm is common
 
 
 # ------------------------------------------------------------------------------------------ environment

@@ -97,9 +97,9 @@ def arm_of(run: Run, keys: list[str]) -> Arm:
 
 def _reads(norm: str, key: str) -> bool:
     """Whether a run of `norm` reads config key `key`: every key but a `norm.KNOB` of a known norm without
-    that knob."""
+    that knob (norm.name, the norm itself, is read by every run)."""
     knob = key.removeprefix("norm.")
-    return knob == key or norm not in NORM_TRAITS or knob in NORM_TRAITS[norm].knobs
+    return knob in (key, "name") or norm not in NORM_TRAITS or knob in NORM_TRAITS[norm].knobs
 
 
 def varying_dims(arms: list[Arm]) -> list[str]:

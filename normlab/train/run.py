@@ -35,6 +35,7 @@ from normlab.train.callbacks import (
     progress,
 )
 from normlab.train.checkpoint import Checkpoint, CheckpointError, Checkpointer, resolve_resume, rewind
+from normlab.train.environment import run_environment
 from normlab.train.loop import batch_loader, emit, held_out_batches, run_steps
 from normlab.train.optim import param_groups
 from normlab.train.preempt import Preempted
@@ -70,7 +71,8 @@ def train(
 
 
 def summary_head(cfg: RunConfig) -> dict[str, Any]:
-    """The first fields of every summary.json: what the run is, and status `running`."""
+    """The first fields of every summary.json: what the run is, status `running`, and the environment its
+    numbers depend on (environment.run_environment), so a failed run's summary.json has it too."""
     return {
         "name": cfg.run_name,
         "norm": cfg.norm.label,
@@ -81,6 +83,7 @@ def summary_head(cfg: RunConfig) -> dict[str, Any]:
         "seed": cfg.seed,
         "group": cfg.wandb.group,
         "status": "running",
+        "environment": run_environment(cfg.device),
     }
 
 

@@ -11,6 +11,7 @@ line that says what is allowed. Both raise ConfigError. Keys are checked against
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 from hydra._internal.hydra import Hydra
@@ -66,6 +67,19 @@ def _value_text(override) -> str:
         return override.get_value_element_as_str()
     except Exception:  # a sweep has no single value
         return override.input_line.partition("=")[2]
+
+
+def quoted_value(text: str) -> str:
+    """`text` as an override's value that Hydra reads back as this very string: as it is where it would be
+    (a plain path), else single-quoted, with a quote and the backslashes before one (or before the end) escaped."""
+    try:
+        [override] = OverridesParser.create().parse_overrides([f"key={text}"])
+        if override.value() == text:
+            return text
+    except OverrideParseException:
+        pass
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body) + "'"
 
 
 def check_command_line(

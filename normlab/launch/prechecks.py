@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob
 from normlab.config.packing import pack_groups
 from normlab.launch.machine import check_machine
-from normlab.launch.overrides import check_command_line, check_composition
+from normlab.launch.overrides import check_command_line, check_composition, quoted_value
 
 CONFIG_MODULE = "normlab.conf"
 CONFIG_GROUPS = ("model", "norm", "data", "tokenizer", "optim", "experiment")
@@ -135,12 +135,8 @@ def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = Fals
                 raise ConfigError(str(err)) from None
             run_dir = run_dir_of(checkpoint)
             if run_dir is not None and not any(o.key_or_group == "hydra.run.dir" for o in parsed):
-                extra.append("hydra.run.dir=" + _quoted(str(run_dir)))
+                extra.append("hydra.run.dir=" + quoted_value(str(run_dir)))
     return extra
-
-
-def _quoted(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def sweep_jobs(overrides: list[str], config_loader=None) -> list[list[str]]:

@@ -1,4 +1,5 @@
-"""The `normlab` command: `normlab train ...` (a Hydra app), `normlab compare ...` and `normlab sample ...`.
+"""The `normlab` command: `normlab train ...` (a Hydra app), `normlab resume ...` (the same, continuing a run),
+`normlab compare ...` and `normlab sample ...`.
 
 Heavy modules (torch, wandb, datasets) are imported only once a subcommand
 needs them, so `normlab --help` answers at once.
@@ -6,6 +7,7 @@ needs them, so `normlab --help` answers at once.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from normlab.util.errors import fail
@@ -18,6 +20,8 @@ options:
 commands:
   train     train one model, or a sweep with -m (Hydra overrides: norm=rms placement=pre lr=1e-3)
             `normlab train --help` lists the config groups and their options
+  resume    continue a stopped run in its own dir, with its saved config (= normlab train resume=RUN_DIR)
+            `normlab resume RUN_DIR [overrides]`; overrides may change bookkeeping keys only (ckpt.*, wandb.*, ...)
   compare   compare runs: report.md (runs, LR sensitivity, seeds) and PNG plots, from run files
             `normlab compare PATH... [--out DIR]`; PATH: a run dir, a sweep dir or outputs/
   sample    print text from a trained model
@@ -27,6 +31,7 @@ examples:
   normlab train norm=rms placement=pre
   normlab train norm=batch placement=post depth=12 lr=3e-4
   normlab train -m norm=none,layer,rms,batch placement=pre,post
+  normlab resume outputs/runs/2026-11-22_14-03-12_rms-pre-d4-lr3e-3-s0_3f9a1c
   normlab compare outputs/sweeps/2026-11-22_14-05-40_a81b2e
   normlab sample outputs/runs/2026-11-22_14-05-40_rms-pre-d4-lr3e-3-s0_a81b2e --prompt "def "
 """
@@ -51,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         from normlab.launch.app import run_train
 
         return run_train(rest)
+    if command == "resume":
+        return _resume(rest)
     if command == "compare":
         from normlab.analysis.compare import main as run_compare
 
@@ -59,7 +66,20 @@ def main(argv: list[str] | None = None) -> int:
         from normlab.sample import main as run_sample
 
         return run_sample(rest)
-    return fail(f"unknown command {command!r}: choose one of train, compare, sample")
+    return fail(f"unknown command {command!r}: choose one of train, resume, compare, sample")
+
+
+def _resume(rest: list[str]) -> int:
+    """`normlab resume RUN_DIR [overrides]`: `normlab train resume=RUN_DIR [overrides]`."""
+    if rest[:1] in (["-h"], ["--help"]):
+        print("usage: normlab resume RUN_DIR [overrides]: continue the run in RUN_DIR with its saved config")
+        return 0
+    if not rest or rest[0].startswith("-") or "=" in rest[0] and not os.path.exists(rest[0]):
+        return fail("resume: give the run dir to continue first: normlab resume RUN_DIR [overrides]")
+    from normlab.launch.app import run_train
+    from normlab.launch.overrides import quoted_value
+
+    return run_train(["resume=" + quoted_value(rest[0]), *rest[1:]])
 
 
 if __name__ == "__main__":

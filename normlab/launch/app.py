@@ -2,7 +2,8 @@
 
 It checks the command line before Hydra starts (normlab.launch.prechecks), then lets Hydra compose each
 job's config from normlab's packaged conf/ (plus any --config-dir) and make its run dir, and hands both
-to the task (normlab.launch.task.train_job), which trains it.
+to the task (normlab.launch.task.train_job), which trains it. `resume=<run dir>` first puts that run's
+saved command line back (normlab.launch.resume), so the run continues with its own config.
 
 Under torchrun it joins the process group before Hydra starts and pins the run dir's time stamp and id
 to rank 0's, so every rank uses one dir.
@@ -10,10 +11,13 @@ to rank 0's, so every rank uses one dir.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import functools
 import secrets
 import sys
 import time
+from typing import Callable
 
 import hydra
 from hydra.core.plugins import Plugins
@@ -21,11 +25,12 @@ from hydra.core.plugins import Plugins
 import normlab.launch.slurm as slurm
 from hydra_plugins.normlab_launcher.normlab_launcher import NormlabLauncher
 from normlab import __version__
-from normlab.config import ConfigError
+from normlab.config import ConfigError, RunConfig
 from normlab.launch.argv import experiment_override, hydra_completes, parse_train_args
 from normlab.launch.prechecks import CONFIG_MODULE, check_command
 from normlab.launch.resolvers import register_resolvers
-from normlab.launch.rundir import claim
+from normlab.launch.resume import check_unchanged, replay, resume_spec, saved_run_of
+from normlab.launch.rundir import claim, compose_run
 from normlab.launch.task import train_job
 from normlab.util.errors import fail
 
@@ -45,10 +50,14 @@ def run_train(argv: list[str]) -> int:
     if args.help or args.hydra_help:
         _hydra_main(["normlab train", *argv])
         return 0
-
-    config_dirs = [args.config_dir] if args.config_dir else []
     try:
+        argv, args, unchanged = _resuming(argv, args)
+        config_dirs = [args.config_dir] if args.config_dir else []
         added = check_command(args.overrides, config_dirs, args.multirun, args.config_name)
+        if unchanged is not None:
+            composed = compose_run([*args.overrides, *added], config_dirs, CONFIG_MODULE, args.config_name)
+            if composed is not None:  # else the config check has said what is wrong
+                unchanged(composed[0])
     except ConfigError as err:
         return fail(err)
     except Exception as err:  # Hydra's override grammar: one line is enough
@@ -57,10 +66,23 @@ def run_train(argv: list[str]) -> int:
         refusal = slurm.check_sweep(CONFIG_MODULE, args.overrides, config_dirs)
         if refusal:
             return fail(refusal)
-    return _train([*argv, *added], [*args.overrides, *added], config_dirs, args.multirun)
+    return _train([*argv, *added], [*args.overrides, *added], config_dirs, args.multirun, args.config_name)
 
 
-def _train(argv: list[str], overrides: list[str], config_dirs: list[str], multirun: bool) -> int:
+def _resuming(argv: list[str], args) -> tuple[list[str], argparse.Namespace, Callable[[RunConfig], None] | None]:
+    """For `resume=<run dir or its checkpoint>`, a single run: the command line that continues that run with
+    its saved config (normlab.launch.resume.replay), its parsed arguments, and the check of the config it
+    composes against the run's (resume.check_unchanged); else the command line as it is, and None."""
+    spec = None if args.multirun else resume_spec(args.overrides)
+    saved = saved_run_of(spec) if spec else None
+    if saved is None:
+        return argv, args, None
+    given = [o for o in args.overrides if not o.startswith("resume=")]
+    argv = replay(saved, spec, argv, args.overrides)
+    return argv, parse_train_args(argv), functools.partial(check_unchanged, saved, spec=spec, given=given)
+
+
+def _train(argv: list[str], overrides: list[str], config_dirs: list[str], multirun: bool, config_name: str | None) -> int:
     """Run Hydra on the checked command line `argv` (its `overrides`); returns the process exit code."""
     # Help needs Hydra alone, so torch (through distributed) is imported here, past the help.
     import normlab.train.distributed as distributed
@@ -75,7 +97,7 @@ def _train(argv: list[str], overrides: list[str], config_dirs: list[str], multir
     Plugins.instance().register(NormlabLauncher)
     try:
         # A single run's dir is locked and its resume checked before Hydra writes into it (normlab.launch.rundir).
-        guard = claim(overrides, config_dirs, CONFIG_MODULE)
+        guard = claim(overrides, config_dirs, CONFIG_MODULE, config_name)
         with guard if not multirun and distributed.is_main() else contextlib.nullcontext():
             _hydra_main(["normlab train", *argv])
     except ConfigError as err:

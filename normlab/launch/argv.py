@@ -12,7 +12,7 @@ from hydra._internal.utils import get_args_parser
 
 from normlab.util.errors import fail
 
-COMMANDS = ("train", "compare", "sample")
+COMMANDS = ("train", "resume", "compare", "sample")
 
 
 def experiment_override(arg: str) -> str:
@@ -51,6 +51,6 @@ def hydra_completes() -> bool:
         print(" ".join(COMMANDS))
         return False
     if words[1] != "train":
-        return False  # compare and sample take paths: the shell's own file completion applies
+        return False  # resume, compare and sample take paths: the shell's own file completion applies
     os.environ["COMP_LINE"] = line.replace(" train", "", 1)
     return True

@@ -27,7 +27,8 @@ from normlab.config import ConfigError, RunConfig
 from normlab.train.sinks import RunDir, RunDirBusy
 
 
-def compose_run(overrides: list[str], config_dirs: list[str], config_module: str) -> tuple[RunConfig, Path] | None:
+def compose_run(overrides: list[str], config_dirs: list[str], config_module: str,
+                config_name: str | None = None) -> tuple[RunConfig, Path] | None:
     """The config and run dir Hydra will give the single run `overrides` asks for; None if Hydra cannot
     compose it or the config is invalid (Hydra and the config check then say so in their own words)."""
     search_path = create_config_search_path("pkg://" + config_module)
@@ -35,7 +36,7 @@ def compose_run(overrides: list[str], config_dirs: list[str], config_module: str
         search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
     try:
         hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
-        cfg = hydra.compose_config("config", overrides, run_mode=RunMode.RUN, from_shell=True)
+        cfg = hydra.compose_config(config_name or "config", overrides, run_mode=RunMode.RUN, from_shell=True)
         run_dir = Path(str(cfg.hydra.run.dir))
         with open_dict(cfg):
             del cfg["hydra"]
@@ -47,7 +48,7 @@ def compose_run(overrides: list[str], config_dirs: list[str], config_module: str
 
 
 @contextlib.contextmanager
-def claim(overrides: list[str], config_dirs: list[str], config_module: str):
+def claim(overrides: list[str], config_dirs: list[str], config_module: str, config_name: str | None = None):
     """For a single run whose run dir exists: hold its lock for the duration, after checking that the
     run may start there. Raises ConfigError (one line) for what would refuse it, before Hydra writes."""
     # torch: not for `normlab train --help`, which imports this module
@@ -57,7 +58,7 @@ def claim(overrides: list[str], config_dirs: list[str], config_module: str):
     if not config_dirs and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in overrides):
         yield  # the packaged config names each run's dir by its launch time and id: a new dir
         return
-    composed = compose_run(overrides, config_dirs, config_module)
+    composed = compose_run(overrides, config_dirs, config_module, config_name)
     if composed is None or not composed[1].is_dir():
         yield  # a new run dir: nothing in it to protect
         return

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 import normlab.train.preempt as preempt
 from normlab.config import ConfigError, RunConfig
 from normlab.launch.resolvers import register_resolvers
+from normlab.launch.resume import continue_command
 from normlab.launch.rundir import final_loss, record_failure
 from normlab.launch.sweep_log import read_summary
 from normlab.train.sinks import RunDirBusy, WandbUnavailable, disk_full
@@ -79,8 +80,9 @@ def train_job(cfg: DictConfig) -> float:
         # train() has recorded a data error; a refused checkpoint left the job's dir as it was until now.
         return _job_failed(hc, run_cfg, err, recorded=isinstance(err, DataError))
     except preempt.Preempted as stop:
-        log.warning("%s: %s; resume=auto in this run dir continues it", name, stop)
-        print(f"normlab: {name} {stop.status}: {stop}; resume=auto in {output_dir} continues it", file=sys.stderr)
+        again = continue_command(output_dir, multirun, str(Path(output_dir).parent))  # a job's dir is <sweep dir>/<subdir>
+        log.warning("%s: %s; to continue it: %s", name, stop, again)
+        print(f"normlab: {name} {stop.status}: {stop}; to continue it: {again}", file=sys.stderr)
         preempt.chain(stop.signum, previous_handlers)
     except Exception as err:
         if not multirun and not disk_full(err):
@@ -221,9 +223,9 @@ def train_members(members: list[PackMember]) -> None:
             summaries = train_pack([(m.cfg, m.run_dir) for m in training])
     except preempt.Preempted as stop:
         names = ", ".join(m.cfg.run_name for m in training)
-        again = f"the sweep run again with hydra.sweep.dir={Path(training[0].run_dir).parent} resumes it (resume=auto)"
-        log.warning("pack of %s: %s; %s", names, stop, again)
-        print(f"normlab: pack of {names} {stop.status}: {stop}; {again}", file=sys.stderr)
+        again = continue_command(training[0].run_dir, True, str(Path(training[0].run_dir).parent))
+        log.warning("pack of %s: %s; to continue it: %s", names, stop, again)
+        print(f"normlab: pack of {names} {stop.status}: {stop}; to continue it: {again}", file=sys.stderr)
         preempt.chain(stop.signum, previous_handlers)
         raise
     except Exception as err:

@@ -195,3 +195,15 @@ def test_off_a_terminal_the_progress_bar_becomes_log_lines(tmp_path):
     lines = [line for line in (d / "normlab.log").read_text().splitlines() if ": step " in line]
     assert [line.split(": step ")[1].split("/")[0] for line in lines] == [str(s) for s in range(0, 20, 2)]
     assert "val_loss" in lines[0] and "val_loss" in lines[5] and "it/s" not in result.stderr
+
+
+def test_a_relative_data_file_under_chdir_is_read_from_the_launch_dir(tmp_path):
+    (tmp_path / "notes.txt").write_text("the residual stream of a transformer " * 400)
+    run_dir = tmp_path / "run"
+    result = normlab("train", "data=text", "data.files=[notes.txt]", "hydra.job.chdir=true", f"hydra.run.dir={run_dir}",
+                     "wandb.mode=disabled", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run_dir / "config.json").read_text())["data"]["files"] == [str(tmp_path / "notes.txt")]
+    # Resumed by its dir (the command replays hydra.job.chdir=true too): the same config, so nothing to train.
+    again = normlab("resume", str(run_dir), cwd=tmp_path)
+    assert again.returncode == 0 and "already completed" in again.stderr, again.stderr[-3000:]

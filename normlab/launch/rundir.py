@@ -24,13 +24,15 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
 from normlab.config import ConfigError, RunConfig
+from normlab.launch.paths import from_launch_dir
 from normlab.train.sinks import RunDir, RunDirBusy
 
 
 def compose_run(overrides: list[str], config_dirs: list[str], config_module: str,
                 config_name: str | None = None) -> tuple[RunConfig, Path] | None:
-    """The config and run dir Hydra will give the single run `overrides` asks for; None if Hydra cannot
-    compose it or the config is invalid (Hydra and the config check then say so in their own words)."""
+    """The config and run dir Hydra will give the single run `overrides` asks for (as its task builds it:
+    task.job_config); None if Hydra cannot compose it or the config is invalid (Hydra and the config check
+    then say so in their own words)."""
     search_path = create_config_search_path("pkg://" + config_module)
     for d in config_dirs:
         search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
@@ -38,9 +40,11 @@ def compose_run(overrides: list[str], config_dirs: list[str], config_module: str
         hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
         cfg = hydra.compose_config(config_name or "config", overrides, run_mode=RunMode.RUN, from_shell=True)
         run_dir = Path(str(cfg.hydra.run.dir))
+        chdir = bool(cfg.hydra.job.chdir)
         with open_dict(cfg):
             del cfg["hydra"]
-        return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)), run_dir
+        raw = OmegaConf.to_container(cfg, resolve=True)
+        return RunConfig.from_dict(from_launch_dir(raw, os.getcwd()) if chdir else raw), run_dir
     except Exception:
         return None
     finally:

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import normlab.train.preempt as preempt
 from normlab.config import ConfigError, RunConfig
+from normlab.launch.paths import from_launch_dir
 from normlab.launch.resolvers import register_resolvers
 from normlab.launch.resume import continue_command
 from normlab.launch.rundir import final_loss, record_failure
@@ -92,13 +93,17 @@ def train_job(cfg: DictConfig) -> float:
 
 
 def job_config(cfg: DictConfig) -> RunConfig:
-    """The RunConfig of the Hydra job running now (HydraConfig is set): `cfg` resolved and validated, with
-    the job's overrides for wandb's config and, in a multirun, the sweep's wandb group unless one is set.
-    Raises ConfigError (one line) for a config that cannot be trained."""
+    """The RunConfig of the Hydra job running now (HydraConfig is set): `cfg` resolved and validated (its
+    relative paths read from the launch dir under hydra.job.chdir=true: normlab.launch.paths), with the job's
+    overrides for wandb's config and, in a multirun, the sweep's wandb group unless one is set. Raises
+    ConfigError (one line) for a config that cannot be trained."""
     import normlab.train.distributed as distributed  # torch: not for `normlab train --help`
 
     hc = HydraConfig.get()
-    run_cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    if hc.job.chdir:  # the job runs in its run dir: paths typed on the command line are the launch dir's
+        from_launch_dir(raw, hc.runtime.cwd)
+    run_cfg = RunConfig.from_dict(raw)
     distributed.check_batch_split(run_cfg)
     run_cfg.wandb.overrides = list(hc.overrides.task)
     if hc.mode == RunMode.MULTIRUN and run_cfg.wandb.group is None:

@@ -197,6 +197,27 @@ def test_off_a_terminal_the_progress_bar_becomes_log_lines(tmp_path):
     assert "val_loss" in lines[0] and "val_loss" in lines[5] and "it/s" not in result.stderr
 
 
+def test_a_sweep_with_cfg_gives_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "-m", "norm=rms,layer", "--cfg", "job"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("normlab: error: ") and "-m with --cfg" in err
+    assert "Traceback" not in err and not (tmp_path / "outputs").exists()
+
+
+def test_a_sweep_preset_without_m_is_refused_unless_each_swept_key_is_given(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "experiment=norm_grid", "max_steps=1"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("normlab: error: experiment=norm_grid holds a sweep of 8 jobs over norm, placement")
+    assert "normlab train -m experiment=norm_grid max_steps=1" in line and "norm=none placement=pre" in line
+    assert not (tmp_path / "outputs").exists()
+    # One job of the sweep, every swept key given (what a sweep job's saved overrides are): a single run.
+    assert main(["train", "experiment=norm_grid", "norm=rms", "placement=post", "--cfg", "job"]) == 0
+    printed = capsys.readouterr().out
+    assert "placement: post" in printed and "\nnorm:\n  name: rms\n" in printed
+
+
 def test_a_relative_data_file_under_chdir_is_read_from_the_launch_dir(tmp_path):
     (tmp_path / "notes.txt").write_text("the residual stream of a transformer " * 400)
     run_dir = tmp_path / "run"

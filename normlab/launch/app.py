@@ -26,7 +26,7 @@ import normlab.launch.slurm as slurm
 from hydra_plugins.normlab_launcher.normlab_launcher import NormlabLauncher
 from normlab import __version__
 from normlab.config import ConfigError, RunConfig
-from normlab.launch.argv import experiment_override, hydra_completes, parse_train_args
+from normlab.launch.argv import check_modes, experiment_override, hydra_completes, parse_train_args
 from normlab.launch.prechecks import CONFIG_MODULE, check_command
 from normlab.launch.resolvers import register_resolvers
 from normlab.launch.resume import check_unchanged, replay, resume_spec, saved_run_of
@@ -51,6 +51,7 @@ def run_train(argv: list[str]) -> int:
         _hydra_main(["normlab train", *argv])
         return 0
     try:
+        check_modes(args)
         argv, args, unchanged = _resuming(argv, args)
         config_dirs = [args.config_dir] if args.config_dir else []
         added = check_command(args.overrides, config_dirs, args.multirun, args.config_name)

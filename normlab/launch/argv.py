@@ -10,6 +10,7 @@ import sys
 
 from hydra._internal.utils import get_args_parser
 
+from normlab.config import ConfigError
 from normlab.util.errors import fail
 
 COMMANDS = ("train", "resume", "compare", "sample")
@@ -36,6 +37,20 @@ def _refuse_arguments(message: str) -> None:
     else:
         hint = ": `normlab train --help` lists the options"
     sys.exit(fail(f"train: {message}{hint}"))
+
+
+def check_modes(args: argparse.Namespace) -> None:
+    """ConfigError (one line) for options Hydra takes one at a time (-m, --cfg, --info, --run): Hydra itself
+    ends such a command in a traceback."""
+    given = [name for name, on in (("-m", args.multirun), ("--cfg", args.cfg is not None),
+                                   ("--info", args.info is not None), ("--run", args.run)) if on]
+    if len(given) < 2:
+        return
+    if given[0] == "-m" and given[1] in ("--cfg", "--info"):
+        shown = f"{given[1]} job" if given[1] == "--cfg" else given[1]
+        raise ConfigError(f"train: -m with {given[1]}: {given[1]} shows one job, not a sweep: drop -m and give one "
+                          f"value per key (normlab train {shown} norm=rms shows the sweep's job norm=rms)")
+    raise ConfigError(f"train: {' and '.join(given)} together: Hydra takes one of -m, --cfg, --info and --run at a time")
 
 
 def hydra_completes() -> bool:

@@ -46,9 +46,28 @@ def check_command(overrides: list[str], config_dirs: list[str], multirun: bool, 
     composed = check_composition(
         [*overrides, *added], config_dirs, CONFIG_MODULE, config_name, sweep_jobs if multirun else None, by_job=by_job,
     )
+    if not multirun:
+        check_not_a_sweep(composed[0], overrides)
     check_jobs(overrides, config_dirs, multirun, composed=by_job if config_name in (None, "config") else None)
     check_machine(composed, multirun, local=not on_cluster(overrides), units_of=pack_groups)
     return added
+
+
+def check_not_a_sweep(cfg, overrides: list[str]) -> None:
+    """ConfigError (one line) for a single run whose config holds a sweep (a preset's hydra.sweeper.params)
+    that the command line does not pin: without -m Hydra would silently train one job with the preset's
+    other values. A command that gives a value to every swept key (one job of the sweep: what a sweep job's
+    saved overrides replay) is a single run."""
+    params = dict(cfg.hydra.sweeper.get("params") or {})
+    given = {o.key_or_group for o in OverridesParser.create().parse_overrides(overrides)}
+    if not params or set(params) <= given:
+        return
+    preset = cfg.hydra.runtime.choices.get("experiment")
+    holder = f"experiment={preset}" if preset else "the config"
+    jobs = sweep_jobs([f"{k}={v}" for k, v in params.items()])
+    one = " ".join(o for o in jobs[0] if o.split("=", 1)[0] not in given)
+    raise ConfigError(f"{holder} holds a sweep of {len(jobs)} jobs over {', '.join(params)}: add -m to run it "
+                      f"(normlab train -m {' '.join(overrides)}), or give {one} to train one of its jobs")
 
 
 def on_cluster(overrides: list[str]) -> bool:

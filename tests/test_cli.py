@@ -197,6 +197,17 @@ def test_off_a_terminal_the_progress_bar_becomes_log_lines(tmp_path):
     assert "val_loss" in lines[0] and "val_loss" in lines[5] and "it/s" not in result.stderr
 
 
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("normlab", path=str(Path(sys.executable).parent)) is None,
+                    reason="needs bash and the installed normlab script")
+def test_tab_completion_offers_every_value_of_a_key_with_fixed_choices(tmp_path):
+    # placement is a key, not a config group: Hydra alone offers its current value only (placement=pre).
+    script = normlab("train", "-sc", "install=bash", cwd=tmp_path).stdout
+    assert set(_complete(script, "normlab train placement=", tmp_path)) == {f"placement={p}" for p in PLACEMENTS}
+    assert _complete(script, "normlab train norm=rms placement=s", tmp_path) == ["placement=sandwich"]
+    assert _complete(script, "normlab train -m placement=pre,p", tmp_path) == ["placement=pre,post"]
+    assert set(_complete(script, "normlab train qk_norm=", tmp_path)) == {"qk_norm=true", "qk_norm=false"}
+
+
 def test_a_sweep_with_cfg_gives_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["train", "-m", "norm=rms,layer", "--cfg", "job"]) == 2

@@ -41,7 +41,7 @@ from normlab.config.schema import (
     suggest_key,
     unknown_key_message,
 )
-from normlab.config.validate import BPE_VOCAB_RANGE, BYTE_VOCAB, TOKENIZERS
+from normlab.config.validate import BPE_VOCAB_RANGE, BYTE_VOCAB, KEY_CHOICES, TOKENIZERS
 
 __all__ = [
     "ALPHA_PARAMS",
@@ -51,6 +51,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "GAIN_PARAMS",
+    "KEY_CHOICES",
     "ModelConfig",
     "NORMS",
     "NORM_TRAITS",

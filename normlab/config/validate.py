@@ -12,7 +12,7 @@ from dataclasses import fields
 from typing import Any
 
 from normlab.config.errors import ConfigError
-from normlab.config.registry import NORM_TRAITS, PLACEMENT_TRAITS, SINK_NAMES, check_norm_knob
+from normlab.config.registry import NORM_TRAITS, NORMS, PLACEMENT_TRAITS, PLACEMENTS, SINK_NAMES, check_norm_knob
 
 INITS = ("normal", "xavier")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -28,6 +28,12 @@ WANDB_PROJECT_MAX = 128  # wandb's limits on a project name and on each tag
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 WANDB_TAG_MAX = 64
 WANDB_UNREACHABLE = ("offline", "stop")
+# The keys whose value is one of a fixed set, with that set (what tab completion offers after `key=`).
+KEY_CHOICES: dict[str, tuple[str, ...]] = {
+    "norm.name": NORMS, "placement": PLACEMENTS, "init": INITS, "precision": PRECISIONS, "device": DEVICES,
+    "compile_mode": COMPILE_MODES, "data.source": DATA_SOURCES, "tokenizer.kind": TOKENIZERS,
+    "wandb.mode": WANDB_MODES, "wandb.on_unreachable": WANDB_UNREACHABLE,
+}
 RESUME_CHOICES = "choose null (start fresh), auto (the newest checkpoint in the run dir, if any) or a checkpoint path"
 
 

@@ -5,12 +5,13 @@ completion, which Hydra cannot complete."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
 from hydra._internal.utils import get_args_parser
 
-from normlab.config import ConfigError
+from normlab.config import KEY_CHOICES, ConfigError, RunConfig, flatten_config
 from normlab.util.errors import fail
 
 COMMANDS = ("train", "resume", "compare", "sample")
@@ -67,5 +68,31 @@ def hydra_completes() -> bool:
         return False
     if words[1] != "train":
         return False  # resume, compare and sample take paths: the shell's own file completion applies
+    values = value_choices(words[-1]) if not line.endswith(" ") else None
+    if values is not None:
+        print(" ".join(values))
+        return False
     os.environ["COMP_LINE"] = line.replace(" train", "", 1)
     return True
+
+
+def value_choices(word: str) -> list[str] | None:
+    """What `KEY=PARTIAL` may become when KEY takes one of a fixed set of values (KEY_CHOICES; true and false
+    for a boolean key), a sweep's next value after a comma included: `placement=pre,p` -> `placement=pre,post`.
+    None for any other word, which Hydra completes. Hydra itself offers such a key's current value only: it
+    completes the options of config groups, and placement, precision, ... are values, not groups."""
+    key, eq, value = word.partition("=")
+    key = key.lstrip("+")
+    if not eq:
+        return None
+    allowed = KEY_CHOICES.get(key) or (("true", "false") if isinstance(_defaults().get(key), bool) else None)
+    if allowed is None:
+        return None
+    done, _, partial = value.rpartition(",")
+    head = word[: len(word) - len(partial)]
+    return [head + option for option in allowed if option.startswith(partial) and option not in done.split(",")]
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> dict:
+    return flatten_config(RunConfig())

@@ -196,6 +196,8 @@ def test_the_real_command_started_rank_by_rank_shares_one_run_dir(tmp_path):
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
     ddp = _rows(run_dir)
     assert [r["step"] for r in ddp] == list(range(STEPS + 1))
+    environment = json.loads((run_dir / "summary.json").read_text())["environment"]
+    assert environment["world_size"] == WORLD and environment["torch_threads"] == 1  # what the result depends on
 
     from omegaconf import OmegaConf
 

@@ -170,6 +170,38 @@ def test_resume_of_an_ended_run_by_its_dir_trains_nothing(run_copy):
         {k: v for k, v in before.items() if not k.startswith(".hydra")}
 
 
+PRESET = """# @package _global_
+defaults:
+  - override /model: tiny
+max_steps: 2
+eval_every: 2
+eval_batches: 1
+batch_size: 4
+seq_len: 16
+hydra:
+  sweeper:
+    params:
+      norm: rms,layer
+"""
+
+
+def test_a_sweep_jobs_dir_resumes_with_its_config_dir_and_preset(tmp_path, monkeypatch, capsys):
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "tiny_grid.yaml").write_text(PRESET)
+    sweep = tmp_path / "sweep"
+    result = normlab("train", "-m", "--config-dir", "conf", "experiment=tiny_grid", "progress=false",
+                     "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # A job's dir, from elsewhere: its saved overrides (the preset's norm=rms among them) and its --config-dir.
+    job = sweep / "0_rms-pre-d2-lr3e-3-s0"
+    again = normlab("resume", str(job), cwd=tmp_path / "conf")
+    assert again.returncode == 0 and "already completed" in again.stderr, again.stderr[-3000:]
+    # The sweep dir itself: the command that runs the sweep again there, --config-dir included.
+    result = normlab_here("resume", str(sweep), cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert result.returncode == 2
+    one_error_line(result.stderr, f"normlab train -m --config-dir {tmp_path / 'conf'} experiment=tiny_grid")
+
+
 def test_a_sweep_dir_given_to_resume_names_the_command_that_continues_it(tmp_path, monkeypatch, capsys):
     sweep = tmp_path / "sweep"
     sweep.mkdir()

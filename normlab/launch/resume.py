@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
@@ -52,9 +53,7 @@ class SavedRun:
         hydra = (_yaml(run_dir / SAVED_HYDRA) or {}).get("hydra") or {}
         saved.hydra_overrides = [str(o) for o in (hydra.get("overrides") or {}).get("hydra") or []
                                  if str(o).split("=", 1)[0] in REPLAYED_HYDRA]
-        for source in (hydra.get("runtime") or {}).get("config_sources") or []:
-            if source.get("provider") == "command-line" and str(source.get("path", "")).startswith("file://"):
-                saved.config_dir = str(source["path"])[len("file://"):]
+        saved.config_dir = _config_dir(hydra)
         name = (hydra.get("job") or {}).get("config_name")
         saved.config_name = name if name and name != "config" else None
         try:
@@ -63,6 +62,14 @@ class SavedRun:
         except (OSError, ValueError):
             saved.config = None
         return saved
+
+
+def _config_dir(hydra: dict) -> str | None:
+    """The --config-dir a run was launched with, from its saved hydra node."""
+    for source in (hydra.get("runtime") or {}).get("config_sources") or []:
+        if source.get("provider") == "command-line" and source.get("schema") == "file":
+            return str(source.get("path"))
+    return None
 
 
 def _yaml(path: Path) -> Any:
@@ -166,11 +173,12 @@ def continue_command(run_dir: str, multirun: bool, sweep_dir: str) -> str:
     import normlab.train.distributed as distributed  # torch: not for `normlab train --help`
 
     if multirun:
+        sweep = "hydra.sweep.dir=" + quoted_value(str(Path(sweep_dir).absolute()))
         launched = sys.argv[1:] if sys.argv and sys.argv[0] == "normlab train" else None
-        if launched is None:
-            return f"the sweep's command again with hydra.sweep.dir={shlex.quote(str(Path(sweep_dir).absolute()))}"
-        kept = [a for a in launched if not a.startswith("hydra.sweep.dir=")]
-        return shlex.join(["normlab", "train", *kept, "hydra.sweep.dir=" + quoted_value(str(Path(sweep_dir).absolute()))])
+        if launched is None:  # a job in a process of its own (submitit's): its command line is not here
+            return f"the sweep's command again with {shlex.quote(sweep)}"
+        kept = [a for a in _absolute_config_dir(launched) if not a.startswith("hydra.sweep.dir=")]
+        return shlex.join(["normlab", "train", *kept, sweep])
     command = ["normlab", "resume", str(Path(run_dir).absolute())]
     if distributed.world_size() > 1:
         local = os.environ.get("LOCAL_WORLD_SIZE", str(distributed.world_size()))
@@ -178,7 +186,25 @@ def continue_command(run_dir: str, multirun: bool, sweep_dir: str) -> str:
     return shlex.join(command)
 
 
+def _absolute_config_dir(argv: list[str]) -> list[str]:
+    """`argv` with its --config-dir (-cd) made absolute against the launch dir, so the command works from anywhere."""
+    try:
+        launch_dir = HydraConfig.get().runtime.cwd  # the job may run in its own dir (hydra.job.chdir=true)
+    except Exception:
+        launch_dir = os.getcwd()
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(out):
+            out[i + 1] = os.path.join(launch_dir, out[i + 1])
+        elif arg.startswith("--config-dir="):
+            out[i] = "--config-dir=" + os.path.join(launch_dir, arg.split("=", 1)[1])
+    return out
+
+
 def sweep_command(multirun_yaml: Any, sweep_dir: Path) -> str:
     """The command that runs the sweep saved in `multirun_yaml` (its multirun.yaml) again in `sweep_dir`."""
-    task = ((multirun_yaml or {}).get("hydra") or {}).get("overrides", {}).get("task") or []
-    return shlex.join(["normlab", "train", "-m", *map(str, task), "hydra.sweep.dir=" + quoted_value(str(sweep_dir.absolute()))])
+    hydra = (multirun_yaml or {}).get("hydra") or {}
+    task = (hydra.get("overrides") or {}).get("task") or []
+    config_dir = _config_dir(hydra)
+    options = ["-m", *(["--config-dir", config_dir] if config_dir else [])]
+    return shlex.join(["normlab", "train", *options, *map(str, task), "hydra.sweep.dir=" + quoted_value(str(sweep_dir.absolute()))])

@@ -83,7 +83,8 @@ def _resuming(argv: list[str], args) -> tuple[list[str], argparse.Namespace, Cal
     return argv, parse_train_args(argv), functools.partial(check_unchanged, saved, spec=spec, given=given)
 
 
-def _train(argv: list[str], overrides: list[str], config_dirs: list[str], multirun: bool, config_name: str | None) -> int:
+def _train(argv: list[str], overrides: list[str], config_dirs: list[str], multirun: bool,
+           config_name: str | None) -> int:
     """Run Hydra on the checked command line `argv` (its `overrides`); returns the process exit code."""
     # Help needs Hydra alone, so torch (through distributed) is imported here, past the help.
     import normlab.train.distributed as distributed

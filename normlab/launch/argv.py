@@ -51,7 +51,8 @@ def check_modes(args: argparse.Namespace) -> None:
         shown = f"{given[1]} job" if given[1] == "--cfg" else given[1]
         raise ConfigError(f"train: -m with {given[1]}: {given[1]} shows one job, not a sweep: drop -m and give one "
                           f"value per key (normlab train {shown} norm=rms shows the sweep's job norm=rms)")
-    raise ConfigError(f"train: {' and '.join(given)} together: Hydra takes one of -m, --cfg, --info and --run at a time")
+    raise ConfigError(f"train: {' and '.join(given)} together: Hydra takes one of -m, --cfg, --info and --run "
+                      "at a time")
 
 
 def hydra_completes() -> bool:

@@ -85,7 +85,8 @@ def resume_spec(overrides: list[str]) -> str | None:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception:
         return None  # the prechecks say what is wrong with it
-    specs = [o.value() for o in parsed if o.key_or_group == "resume" and not o.is_delete() and not o.is_sweep_override()]
+    specs = [o.value() for o in parsed
+             if o.key_or_group == "resume" and not o.is_delete() and not o.is_sweep_override()]
     return specs[-1] if specs and isinstance(specs[-1], str) and specs[-1] != "auto" else None
 
 
@@ -98,7 +99,8 @@ def saved_run_of(spec: str) -> SavedRun | None:
     saved = SavedRun.read(run_dir)
     if saved is None and (run_dir / "multirun.yaml").is_file():
         command = sweep_command(_yaml(run_dir / "multirun.yaml"), run_dir)
-        raise ConfigError(f"resume={spec}: a sweep dir, not a run dir: run the sweep again in it to continue its jobs: {command}")
+        raise ConfigError(f"resume={spec}: a sweep dir, not a run dir: run the sweep again in it to continue its "
+                          f"jobs: {command}")
     return saved
 
 
@@ -108,7 +110,8 @@ def replay(saved: SavedRun, spec: str, argv: list[str], overrides: list[str]) ->
     a run dir the run's own dir with resume=auto (a fresh start there if it has no checkpoint yet), for a
     checkpoint that checkpoint."""
     keys = {_key(o) for o in overrides}
-    kept = [o for o in saved.hydra_overrides + saved.overrides if _key(o) not in keys and _key(o)[0] not in NOT_REPLAYED]
+    kept = [o for o in saved.hydra_overrides + saved.overrides
+            if _key(o) not in keys and _key(o)[0] not in NOT_REPLAYED]
     given = [o for o in overrides if _key(o)[0] != "resume"]
     options = [a for a in argv if a not in overrides]
     if saved.config_dir and not any(a.startswith(("--config-dir", "-cd")) for a in options):
@@ -123,7 +126,7 @@ def replay(saved: SavedRun, spec: str, argv: list[str], overrides: list[str]) ->
 
 
 def _key(override: str) -> tuple[str, str | None]:
-    """An override's key (a group's, a value's) and package: `norm=rms`, `+norm.eps=1` and `~lr` name norm, norm.eps, lr."""
+    """An override's key (a group's, a value's) and package: `norm=rms`, `+norm.eps=1`, `~lr`: norm, norm.eps, lr."""
     try:
         [parsed] = OverridesParser.create().parse_overrides([override])
         return parsed.key_or_group, parsed.package
@@ -146,7 +149,8 @@ def check_unchanged(saved: SavedRun, cfg: RunConfig, spec: str, given: list[str]
     more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
     # The override that sets the key (lr=, model=small), else the first that may not change (experiment=...).
     culprit = next((o for o in given if key == _key(o)[0] or key.startswith(_key(o)[0] + ".")), None)
-    culprit = culprit or next((o for o in given if not may_change(_key(o)[0]) and not _key(o)[0].startswith("hydra")), None)
+    culprit = culprit or next((o for o in given if not (may_change(_key(o)[0]) or _key(o)[0].startswith("hydra"))),
+                              None)
     where = f"resume={spec}: the run has {key}={was!r} (its config.json)"
     if culprit is None:
         raise ConfigError(f"{where}, but its saved overrides now compose {key}={now!r}{more}: normlab's configs "
@@ -207,4 +211,5 @@ def sweep_command(multirun_yaml: Any, sweep_dir: Path) -> str:
     task = (hydra.get("overrides") or {}).get("task") or []
     config_dir = _config_dir(hydra)
     options = ["-m", *(["--config-dir", config_dir] if config_dir else [])]
-    return shlex.join(["normlab", "train", *options, *map(str, task), "hydra.sweep.dir=" + quoted_value(str(sweep_dir.absolute()))])
+    sweep = "hydra.sweep.dir=" + quoted_value(str(sweep_dir.absolute()))
+    return shlex.join(["normlab", "train", *options, *map(str, task), sweep])

@@ -81,7 +81,8 @@ def train_job(cfg: DictConfig) -> float:
         # train() has recorded a data error; a refused checkpoint left the job's dir as it was until now.
         return _job_failed(hc, run_cfg, err, recorded=isinstance(err, DataError))
     except preempt.Preempted as stop:
-        again = continue_command(output_dir, multirun, str(Path(output_dir).parent))  # a job's dir is <sweep dir>/<subdir>
+        # A job's dir is <sweep dir>/<subdir>.
+        again = continue_command(output_dir, multirun, str(Path(output_dir).parent))
         log.warning("%s: %s; to continue it: %s", name, stop, again)
         print(f"normlab: {name} {stop.status}: {stop}; to continue it: {again}", file=sys.stderr)
         preempt.chain(stop.signum, previous_handlers)

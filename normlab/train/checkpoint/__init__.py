@@ -35,7 +35,9 @@ from normlab.train.checkpoint.file import (
     list_checkpoints,
     write_atomic,
 )
-from normlab.train.checkpoint.identity import ABSENT, MAY_CHANGE_ON_RESUME, config_difference, config_differences, may_change
+from normlab.train.checkpoint.identity import (
+    ABSENT, MAY_CHANGE_ON_RESUME, config_difference, config_differences, may_change,
+)
 from normlab.train.checkpoint.resume import (
     ENDED,
     check_same_run,
@@ -52,7 +54,8 @@ from normlab.train.checkpoint.rng import capture_rng, restore_rng
 __all__ = [
     "ABSENT", "CHECKPOINT_DIR", "ENDED", "FORMAT", "MAY_CHANGE_ON_RESUME",
     "Checkpoint", "CheckpointError", "Checkpointer", "NamedStateful", "Stateful", "TrainStateLike",
-    "capture_rng", "check_same_run", "checkpoint_path", "config_difference", "config_differences", "ended_run", "find_checkpoint",
+    "capture_rng", "check_same_run", "checkpoint_path", "config_difference", "config_differences", "ended_run",
+    "find_checkpoint",
     "holds_records", "latest_checkpoint", "list_checkpoints", "may_change", "resolve_resume", "restore_rng", "rewind",
     "rewind_metrics", "run_dir_of", "write_atomic",
 ]

@@ -13,7 +13,8 @@ from normlab.data import load_corpus, sample_batch
 from normlab.nn.model import GPT
 from normlab.train.sinks import MetricsFile, RunDir
 from normlab.keys import layer_label
-from normlab.train.probe import ATTN_PROBE_SEQS, Probe, attention_stats
+from normlab.train.probe import ATTN_PROBE_SEQS, Probe
+from normlab.train.probe_stats import attention_stats
 from normlab.train.loop import loss_fn
 from normlab.train.optim import lr_at, param_groups
 from normlab.train.run import train
@@ -456,7 +457,7 @@ def test_block_update_ratio_leaves_out_the_norm_gains():
 
 
 def test_fused_parameter_norms_equal_the_per_tensor_ones():
-    from normlab.train.probe import l2_norms
+    from normlab.train.probe_stats import l2_norms
 
     gen = torch.Generator().manual_seed(0)
     model = GPT(tiny_config("rms", "pre"))

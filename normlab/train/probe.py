@@ -35,6 +35,7 @@ from torch import nn
 
 from normlab.config import ALPHA_PARAMS, GAIN_PARAMS
 from normlab.keys import layer_key, layer_label
+from normlab.train.probe_stats import attention_stats, l2, l2_norms, max_abs
 
 # Attention statistics are taken on the first sequences of the step's first micro-batch: the
 # explicit T×T score matrix is the most expensive statistic, and these sequences are the same ones
@@ -44,43 +45,6 @@ ATTN_PROBE_SEQS = 8
 # The norm registry names the parameters whose mean and std are a norm's gain (GAIN_PARAMS), and
 # DyT's scalar α, reported as norm/alpha: one name for every norm that has one.
 (ALPHA_PARAM,) = ALPHA_PARAMS
-
-def attention_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The maximum pre-softmax logit q·k/sqrt(head_dim) over causal (query, key) pairs, and the
-    mean over batch, heads and queries of the attention distribution's entropy (nats).
-
-    `q`, `k`: (B, n_head, T, head_dim), as `CausalSelfAttention.heads` returns them.
-    """
-    q, k = q.float(), k.float()
-    T = q.size(-2)
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, -math.inf)
-    p = torch.softmax(scores, dim=-1)
-    entropy = -torch.special.xlogy(p, p).sum(-1)  # xlogy(0, 0) = 0 for the masked keys
-    return scores.amax(), entropy.mean()
-
-
-def _l2(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x.detach(), dtype=torch.float32)
-
-
-def l2_norms(tensors: list[torch.Tensor | None]) -> torch.Tensor:
-    """The L2 norm of each tensor (None: 0) as one float32 vector, computed by fused multi-tensor
-    reductions (torch._foreach_norm): a few kernels for all the parameters instead of one or more each."""
-    present = [t.detach() for t in tensors if t is not None]
-    if not present:
-        return torch.zeros(len(tensors))
-    norms = iter(torch._foreach_norm(present))
-    zero = torch.zeros((), dtype=present[0].dtype, device=present[0].device)
-    return torch.stack([zero if t is None else next(norms) for t in tensors]).float()
-
-
-def _max_abs(x: torch.Tensor) -> torch.Tensor:
-    # Not vector_norm(ord=inf): on the CPU it is ~20x slower than a max and a min.
-    x = x.detach()
-    return torch.maximum(x.amax(), -x.amin()).float()
-
 
 def _is_norm_slot(name: str, module: nn.Module) -> bool:
     # Slots are named norm1, norm2, norm1_out, ... in every arm; an unused slot is an nn.Identity.
@@ -198,7 +162,7 @@ class Probe:
             self._qk.clear()
 
     def _record(self, key: str, x: torch.Tensor) -> None:
-        self._calls.setdefault(key, []).append((_l2(x), x.numel()))
+        self._calls.setdefault(key, []).append((l2(x), x.numel()))
 
     def _watch_gradient(self, key: str, x: torch.Tensor) -> None:
         if x.requires_grad:
@@ -207,13 +171,13 @@ class Probe:
     def _on_embed(self, module, args):
         x = args[0]
         self._record("act/embed_rms", x)
-        self._maxima.setdefault("act/embed_max", []).append(_max_abs(x))
+        self._maxima.setdefault("act/embed_max", []).append(max_abs(x))
         self._watch_gradient("grad/embed_rms", x)
 
     def _on_stream(self, label: str):
         def hook(module, args, out):
             self._record(layer_key("act/resid_rms", label), out)
-            self._maxima.setdefault(layer_key("act/resid_max", label), []).append(_max_abs(out))
+            self._maxima.setdefault(layer_key("act/resid_max", label), []).append(max_abs(out))
             self._watch_gradient(layer_key("grad/resid_rms", label), out)
 
         return hook
@@ -290,14 +254,7 @@ class Probe:
         if self._before is not None:
             before = [b.view_as(p) for b, p in zip(self._before.split([p.numel() for p in self._params]), self._params)]
             deltas = l2_norms(torch._foreach_sub([p.detach() for p in self._params], before))
-        vectors = {"grad": self._grad_norms, "weight": self._weight_norms, "delta": deltas}
-        parts: dict[str, list[torch.Tensor]] = {
-            **{f"calls:{k}": [n for n, _ in calls] for k, calls in self._calls.items()},
-            **{f"max:{k}": v for k, v in self._maxima.items()},
-            **{f"scalar:{k}": [v] for k, v in self._scalars.items()},
-            **{name: [] if v is None else [v] for name, v in vectors.items()},
-            "scale": [] if self._scale is None else [self._scale],
-        }
+        parts = self._device_parts(deltas)
         flat = [t.float().reshape(-1) for ts in parts.values() for t in ts]
         host_values = torch.cat(flat).tolist() if flat else []  # the one host transfer
         host: dict[str, list[float]] = {}
@@ -309,6 +266,18 @@ class Probe:
         stats = self._combine(host)
         self._reset()
         return stats
+
+    def _device_parts(self, deltas: torch.Tensor | None) -> dict[str, list[torch.Tensor]]:
+        """The step's device values by part name, in the order that `collect` transfers them and `_combine`
+        reads them back; `deltas` are the parameters' update norms."""
+        vectors = {"grad": self._grad_norms, "weight": self._weight_norms, "delta": deltas}
+        return {
+            **{f"calls:{k}": [n for n, _ in calls] for k, calls in self._calls.items()},
+            **{f"max:{k}": v for k, v in self._maxima.items()},
+            **{f"scalar:{k}": [v] for k, v in self._scalars.items()},
+            **{name: [] if v is None else [v] for name, v in vectors.items()},
+            "scale": [] if self._scale is None else [self._scale],
+        }
 
     def _combine(self, host: dict[str, list[float]]) -> dict[str, float]:
         """Host-side arithmetic on the transferred scalars."""

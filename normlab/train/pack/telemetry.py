@@ -166,14 +166,7 @@ class PackedProbe(Probe):
         deltas = None
         if self._before is not None:
             deltas = member_norms([p.detach() - b for p, b in zip(self._stacked(), self._before)])
-        parts: dict[str, list[torch.Tensor]] = {
-            **{f"calls:{k}": [n for n, _ in calls] for k, calls in self._calls.items()},
-            **{f"max:{k}": v for k, v in self._maxima.items()},
-            **{f"scalar:{k}": [v] for k, v in self._scalars.items()},
-            **{name: [] if v is None else [v] for name, v in
-               {"grad": self._grad_norms, "weight": self._weight_norms, "delta": deltas}.items()},
-            "scale": [],
-        }
+        parts = self._device_parts(deltas)  # no "scale": a pack trains without a GradScaler
         rows = [t.float().reshape(-1, members) for ts in parts.values() for t in ts]
         table = torch.cat(rows).T.tolist() if rows else [[] for _ in range(members)]  # the one host transfer
         stats = []

@@ -34,13 +34,13 @@ import torch
 from torch import nn
 
 from normlab.config import ALPHA_PARAMS, GAIN_PARAMS
-from normlab.keys import layer_key, layer_label
+from normlab.keys import layer_key, layer_label, parse
 from normlab.train.probe_stats import attention_stats, l2, l2_norms, max_abs
 
-# Attention statistics are taken on the first sequences of the step's first micro-batch: the
-# explicit T×T score matrix is the most expensive statistic, and these sequences are the same ones
-# whatever grad_accum is.
-ATTN_PROBE_SEQS = 8
+# Attention statistics are taken on the step's first PROBE_SEQS sequences, however many micro-batches
+# hold them (grad_accum cuts the batch into consecutive chunks, so they are the same sequences whatever
+# its value): the explicit T×T score matrix is the most expensive statistic.
+PROBE_SEQS = 8
 
 # The norm registry names the parameters whose mean and std are a norm's gain (GAIN_PARAMS), and
 # DyT's scalar α, reported as norm/alpha: one name for every norm that has one.
@@ -75,7 +75,9 @@ class Probe:
     def _reset(self) -> None:
         self._calls: dict[str, list[tuple[torch.Tensor, int]]] = {}  # RMS keys: (L2 norm, numel) per hooked call
         self._maxima: dict[str, list[torch.Tensor]] = {}
-        self._scalars: dict[str, torch.Tensor] = {}  # finished statistics (attention, norm parameters)
+        self._scalars: dict[str, torch.Tensor] = {}  # finished statistics (norm parameters)
+        self._sums: dict[str, list[tuple[torch.Tensor, int]]] = {}  # (sum, how many terms) per hooked call
+        self._taken: dict[str, int] = {}  # sequences of the step measured so far, per hook site
         self._grad_norms: torch.Tensor | None = None  # one entry per parameter, aligned with self._params
         self._weight_norms: torch.Tensor | None = None
         self._before: torch.Tensor | None = None  # the weights before the update, all in one flat copy
@@ -205,14 +207,23 @@ class Probe:
         def hook(module, args, out):
             self._record(layer_key("act/out_rms", label, "attn"), out)
             q, k = self._qk.pop(f"{label}/q", None), self._qk.pop(f"{label}/k", None)
-            if q is None or k is None or layer_key("attn/entropy", label) in self._scalars:
-                return  # only the step's first micro-batch, and only if heads() ran its q/k norms
-            with torch.no_grad():
-                logit_max, entropy = attention_stats(q[:ATTN_PROBE_SEQS], k[:ATTN_PROBE_SEQS])
-            self._scalars[layer_key("attn/logit_max", label)] = logit_max
-            self._scalars[layer_key("attn/entropy", label)] = entropy
+            if q is None or k is None:
+                return  # heads() did not run its q/k norms
+            rows = self._probe_rows(f"{label}/attn", q.size(0))
+            if rows:
+                with torch.no_grad():
+                    logit_max, head_entropy = attention_stats(q[:rows], k[:rows])
+                self._maxima.setdefault(layer_key("attn/logit_max", label), []).append(logit_max)
+                self._sums.setdefault(layer_key("attn/entropy", label), []).append((head_entropy, rows))
 
         return hook
+
+    def _probe_rows(self, site: str, batch: int) -> int:
+        """How many leading sequences of this micro-batch of `batch` are among the step's first PROBE_SEQS."""
+        taken = self._taken.get(site, 0)
+        rows = max(0, min(batch, PROBE_SEQS - taken))
+        self._taken[site] = taken + rows
+        return rows
 
     # ------------------------------------------------------------------ gradients and updates
 
@@ -275,6 +286,7 @@ class Probe:
             **{f"calls:{k}": [n for n, _ in calls] for k, calls in self._calls.items()},
             **{f"max:{k}": v for k, v in self._maxima.items()},
             **{f"scalar:{k}": [v] for k, v in self._scalars.items()},
+            **{f"sums:{k}": [torch.stack([t for t, _ in entries]).sum(0)] for k, entries in self._sums.items()},
             **{name: [] if v is None else [v] for name, v in vectors.items()},
             "scale": [] if self._scale is None else [self._scale],
         }
@@ -293,6 +305,8 @@ class Probe:
             stats[key] = max(host[f"max:{key}"])
         for key in self._scalars:
             stats[key] = host[f"scalar:{key}"][0]
+        for key, entries in self._sums.items():
+            stats.update(_finish_sum(key, host[f"sums:{key}"], sum(n for _, n in entries)))
         for loc, members in self._groups.items():
             if host["grad"]:
                 key = {"embed": "grad/embed_norm", "norm_f": "grad/norm_f_norm"}.get(loc, f"grad/norm/{loc}")
@@ -302,6 +316,15 @@ class Probe:
                 weight = _group_norm(host["weight"], updated)
                 stats[f"update_ratio/{loc}"] = _group_norm(host["delta"], updated) / weight if weight > 0 else math.nan
         return dict(sorted(stats.items()))
+
+
+def _finish_sum(key: str, sums: list[float], count: int) -> dict[str, float]:
+    """The statistics of a summed key: `sums` over the step's calls, of `count` terms in all."""
+    parsed = parse(key)
+    if parsed and parsed.stat == "attn/entropy":
+        per_head = [s / count for s in sums]  # each head's entropy, averaged over sequences and queries
+        return {key: sum(per_head) / len(per_head)}
+    return {key: sums[0] / count}
 
 
 def _group_norm(norms: list[float], members: list[int]) -> float:

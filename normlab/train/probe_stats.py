@@ -13,10 +13,11 @@ import torch
 
 
 def attention_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The maximum pre-softmax logit q·k/sqrt(head_dim) over causal (query, key) pairs, and the
-    mean over batch, heads and queries of the attention distribution's entropy (nats).
+    """The maximum pre-softmax logit q·k/sqrt(head_dim) over causal (query, key) pairs, and per head the
+    entropy (nats) of the attention distribution averaged over queries and summed over the B sequences.
 
-    `q`, `k`: (B, n_head, T, head_dim), as `CausalSelfAttention.heads` returns them.
+    `q`, `k`: (B, n_head, T, head_dim), as `CausalSelfAttention.heads` returns them. Returns a scalar
+    and an (n_head,) vector: sums over sequences, so that calls on consecutive chunks of a batch add up.
     """
     q, k = q.float(), k.float()
     T = q.size(-2)
@@ -25,7 +26,7 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, tor
     scores = scores.masked_fill(future, -math.inf)
     p = torch.softmax(scores, dim=-1)
     entropy = -torch.special.xlogy(p, p).sum(-1)  # xlogy(0, 0) = 0 for the masked keys
-    return scores.amax(), entropy.mean()
+    return scores.amax(), entropy.mean(-1).sum(0)
 
 
 def l2(x: torch.Tensor) -> torch.Tensor:

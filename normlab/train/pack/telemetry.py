@@ -34,7 +34,7 @@ class PackedProbe(Probe):
         self._taps: list[list[torch.Tensor]] = []
         self._tap_iter = iter(())
         self._watching = False
-        self._marks: tuple[dict[str, int], dict[str, int], set[str]] = ({}, {}, set())
+        self._marks: tuple[dict[str, int], dict[str, int], set[str], dict[str, int]] = ({}, {}, set(), {})
 
     def _stacked(self) -> list[torch.Tensor]:
         return [self.pack.params[name] for name in self._names]
@@ -58,11 +58,11 @@ class PackedProbe(Probe):
     def begin(self, taps: list[torch.Tensor]) -> None:
         self._tap_iter = iter(taps)
         self._marks = ({k: len(v) for k, v in self._calls.items()}, {k: len(v) for k, v in self._maxima.items()},
-                       set(self._scalars))
+                       set(self._scalars), {k: len(v) for k, v in self._sums.items()})
 
     def _new_entries(self):
         """(where, key, index) of each statistic recorded since `begin`, in a fixed order."""
-        calls, maxima, scalars = self._marks
+        calls, maxima, scalars, sums = self._marks
         for key, entries in self._calls.items():
             for i in range(calls.get(key, 0), len(entries)):
                 yield "calls", key, i
@@ -72,6 +72,9 @@ class PackedProbe(Probe):
         for key in self._scalars:
             if key not in scalars:
                 yield "scalar", key, None
+        for key, entries in self._sums.items():
+            for i in range(sums.get(key, 0), len(entries)):
+                yield "sums", key, i
 
     def end(self) -> list[torch.Tensor]:
         out = []
@@ -80,17 +83,22 @@ class PackedProbe(Probe):
                 out.append(self._calls[key][i][0])
             elif where == "max":
                 out.append(self._maxima[key][i])
+            elif where == "sums":
+                out.append(self._sums[key][i][0])
             else:
                 out.append(self._scalars[key])
         return out
 
     def absorb(self, values: list[torch.Tensor]) -> None:
-        """Put the batched call's statistics back, each now (M,), where the hooks recorded them."""
+        """Put the batched call's statistics back, each now (M, ...), where the hooks recorded them; a sum
+        that is a vector goes back as (..., M), the member last, as `collect` reads every value."""
         for (where, key, i), value in zip(list(self._new_entries()), values):
             if where == "calls":
                 self._calls[key][i] = (value, self._calls[key][i][1])
             elif where == "max":
                 self._maxima[key][i] = value
+            elif where == "sums":
+                self._sums[key][i] = (value.movedim(0, -1), self._sums[key][i][1])
             else:
                 self._scalars[key] = value
 

@@ -7,8 +7,9 @@ callback (normlab.train.callbacks) makes those calls. On any other step the Prob
 registered and does nothing. The Probe measures and returns records; it keeps no history
 and draws nothing (the end-of-run table and heatmaps are made from the records).
 
-Every statistic is reduced on the device to scalars (norms, maxima); `collect` moves
-them to the host in one transfer. Hooks attach to the eager modules and statistics are
+Every statistic is reduced on the device to scalars or short vectors (norms, maxima, sums with
+their count); `collect` moves them to the host in one transfer. Each micro-batch adds to the step's
+sums, so a statistic is over the whole step's batch whatever grad_accum is. Hooks attach to the eager modules and statistics are
 computed outside the model's forward, so a loop that runs a compiled model must run
 the eager one on telemetry steps.
 
@@ -17,11 +18,14 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     act/out_rms/L03/attn, .../mlp           a sublayer's output, before any output norm
     act/norm_in_rms/L03/norm1, act/norm_out_rms/L03/norm1, ... and .../norm_f
     act/embed_rms, act/embed_max            the stream entering block 0
+    act/block_angle/L03, act/token_cos/L03  input/output angle of block 3; cosine between its output's tokens
+    act/kurtosis/L03, act/max_median/L03    outlier features and massive activations after block 3
     grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / entering block 0
     grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_f_norm
     update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, .../norm_f
     norm/gain_mean/L03/norm1, .../L03/q_norm (QK-norm), norm/gain_std/..., norm/alpha/..., norm/running_var/...
-    attn/logit_max/L03, attn/entropy/L03
+    attn/logit_max/L03, attn/entropy/L03, attn/entropy_min/L03
+    out/logz                                mean log-partition function of the output logits
 """
 
 from __future__ import annotations
@@ -35,11 +39,24 @@ from torch import nn
 
 from normlab.config import ALPHA_PARAMS, GAIN_PARAMS
 from normlab.keys import layer_key, layer_label, parse
-from normlab.train.probe_stats import attention_stats, l2, l2_norms, max_abs
+from normlab.train.probe_stats import (
+    attention_stats,
+    block_angle_sum,
+    feature_kurtosis,
+    feature_square_sums,
+    head_entropy_stats,
+    l2,
+    l2_norms,
+    logz_sum,
+    max_abs,
+    max_median_sum,
+    token_cos_sum,
+)
 
-# Attention statistics are taken on the step's first PROBE_SEQS sequences, however many micro-batches
-# hold them (grad_accum cuts the batch into consecutive chunks, so they are the same sequences whatever
-# its value): the explicit T×T score matrix is the most expensive statistic.
+# The attention statistics and the max/median ratio are taken on the step's first PROBE_SEQS sequences,
+# however many micro-batches hold them (grad_accum cuts the batch into consecutive chunks, so they are the
+# same sequences whatever its value): the explicit T×T score matrix and the per-token median are the most
+# expensive statistics.
 PROBE_SEQS = 8
 
 # The norm registry names the parameters whose mean and std are a norm's gain (GAIN_PARAMS), and
@@ -154,6 +171,7 @@ class Probe:
             handles.append(block.attn.q_norm.register_forward_hook(self._on_qk(label, "q")))
             handles.append(block.attn.k_norm.register_forward_hook(self._on_qk(label, "k")))
             handles.append(block.mlp.register_forward_hook(self._on_output(layer_key("act/out_rms", label, "mlp"))))
+        handles.append(self.model.head.register_forward_hook(self._on_logits))
         for loc, norm in self._norms.items():
             handles.append(norm.register_forward_hook(self._on_norm(loc)))
         try:
@@ -181,8 +199,30 @@ class Probe:
             self._record(layer_key("act/resid_rms", label), out)
             self._maxima.setdefault(layer_key("act/resid_max", label), []).append(max_abs(out))
             self._watch_gradient(layer_key("grad/resid_rms", label), out)
+            self._measure_stream(label, args[0], out)
 
         return hook
+
+    @torch.no_grad()
+    def _measure_stream(self, label: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Block influence, token similarity and outlier statistics of the stream `out` (B, T, d) after
+        the block `label`, whose input was `x`."""
+        tokens = out.numel() // out.size(-1)
+        self._add(layer_key("act/block_angle", label), block_angle_sum(x, out), tokens)
+        self._add(layer_key("act/kurtosis", label), feature_square_sums(out), tokens)
+        if out.size(-2) > 1:  # a pair of distinct tokens needs two
+            self._add(layer_key("act/token_cos", label), token_cos_sum(out), out.size(0))
+        rows = self._probe_rows(f"{label}/stream", out.size(0))
+        if rows:
+            self._add(layer_key("act/max_median", label), max_median_sum(out[:rows]), rows * out.size(-2))
+
+    def _on_logits(self, module, args, out):
+        with torch.no_grad():
+            self._add("out/logz", logz_sum(out), out.numel() // out.size(-1))
+
+    def _add(self, key: str, total: torch.Tensor, count: int) -> None:
+        """Record a sum of `count` terms; the step's statistic is the sum over its calls / their count."""
+        self._sums.setdefault(key, []).append((total, count))
 
     def _on_output(self, key: str):
         def hook(module, args, out):
@@ -212,9 +252,9 @@ class Probe:
             rows = self._probe_rows(f"{label}/attn", q.size(0))
             if rows:
                 with torch.no_grad():
-                    logit_max, head_entropy = attention_stats(q[:rows], k[:rows])
+                    logit_max, head_entropy = attention_stats(q[:rows], k[:rows], getattr(module, "softcap", None))
                 self._maxima.setdefault(layer_key("attn/logit_max", label), []).append(logit_max)
-                self._sums.setdefault(layer_key("attn/entropy", label), []).append((head_entropy, rows))
+                self._add(layer_key("attn/entropy", label), head_entropy, rows)
 
         return hook
 
@@ -322,8 +362,10 @@ def _finish_sum(key: str, sums: list[float], count: int) -> dict[str, float]:
     """The statistics of a summed key: `sums` over the step's calls, of `count` terms in all."""
     parsed = parse(key)
     if parsed and parsed.stat == "attn/entropy":
-        per_head = [s / count for s in sums]  # each head's entropy, averaged over sequences and queries
-        return {key: sum(per_head) / len(per_head)}
+        mean, smallest = head_entropy_stats(sums, count)
+        return {key: mean, layer_key("attn/entropy_min", parsed.label): smallest}
+    if parsed and parsed.stat == "act/kurtosis":
+        return {key: feature_kurtosis(sums)}
     return {key: sums[0] / count}
 
 

@@ -10,23 +10,90 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
-def attention_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The maximum pre-softmax logit q·k/sqrt(head_dim) over causal (query, key) pairs, and per head the
-    entropy (nats) of the attention distribution averaged over queries and summed over the B sequences.
+def attention_stats(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The maximum pre-softmax logit over causal (query, key) pairs, and per head the entropy (nats) of the
+    attention distribution averaged over queries and summed over the B sequences.
 
-    `q`, `k`: (B, n_head, T, head_dim), as `CausalSelfAttention.heads` returns them. Returns a scalar
-    and an (n_head,) vector: sums over sequences, so that calls on consecutive chunks of a batch add up.
+    The logits are q·k/sqrt(head_dim), or c·tanh(q·k/(sqrt(head_dim)·c)) with `softcap` c (Gemma 2), as the
+    softmax sees them. `q`, `k`: (B, n_head, T, head_dim), as `CausalSelfAttention.heads` returns them.
+    Returns a scalar and an (n_head,) vector: sums over sequences, so that calls on consecutive chunks of
+    a batch add up.
     """
     q, k = q.float(), k.float()
     T = q.size(-2)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     scores = scores.masked_fill(future, -math.inf)
     p = torch.softmax(scores, dim=-1)
     entropy = -torch.special.xlogy(p, p).sum(-1)  # xlogy(0, 0) = 0 for the masked keys
     return scores.amax(), entropy.mean(-1).sum(0)
+
+
+def head_entropy_stats(head_sums: list[float], sequences: int) -> tuple[float, float]:
+    """The mean over heads and the smallest over heads of each head's entropy, from `attention_stats`'s
+    sums over `sequences` sequences."""
+    per_head = [s / sequences for s in head_sums]
+    return sum(per_head) / len(per_head), min(per_head)
+
+
+def block_angle_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The sum over tokens of the angle, in degrees, between a token's vector in `x` and in `y` (..., d):
+    arccos(x·y / (|x| |y|)), computed as 2·atan2(|x̂ − ŷ|, |x̂ + ŷ|) (x̂ = x/|x|), which stays accurate
+    for the small angles of blocks near the identity, where arccos of a rounded cosine does not."""
+    u = F.normalize(x.detach().float(), dim=-1)
+    v = F.normalize(y.detach().float(), dim=-1)
+    angle = 2 * torch.atan2(torch.linalg.vector_norm(u - v, dim=-1), torch.linalg.vector_norm(u + v, dim=-1))
+    return torch.rad2deg(angle).sum()
+
+
+def token_cos_sum(y: torch.Tensor) -> torch.Tensor:
+    """The sum over sequences of the mean cosine similarity between the vectors of two different tokens of
+    the sequence: for `y` (B, T, d), Σ_b 1/(T(T−1)) Σ_{i≠j} ŷ_bi·ŷ_bj, with Σ_{i≠j} ŷ_i·ŷ_j = |Σ_i ŷ_i|² − Σ_i |ŷ_i|²."""
+    u = F.normalize(y.detach().float(), dim=-1)
+    T = u.size(-2)
+    pairs = u.sum(-2).square().sum(-1) - u.square().sum((-2, -1))
+    return (pairs / (T * (T - 1))).sum()
+
+
+def feature_square_sums(y: torch.Tensor) -> torch.Tensor:
+    """The sum over tokens of each feature's square, (d,), for `y` (..., d): `feature_kurtosis`'s input."""
+    y = y.detach().float()
+    return y.square().reshape(-1, y.size(-1)).sum(0)
+
+
+def feature_kurtosis(square_sums: list[float]) -> float:
+    """He et al. (2024)'s kurtosis of the features' RMS: with s_j the RMS of feature j over the tokens,
+    mean_j(s_j⁴) / mean_j(s_j²)². It is 1 when every feature has the same RMS and grows with outlier features
+    (a few features far larger than the rest); it is not centred and not an excess kurtosis (a Gaussian
+    stream gives about 1, not 3). `square_sums`: Σ_t y_tj² per feature (the token count cancels)."""
+    m2 = sum(square_sums) / len(square_sums)
+    m4 = sum(v * v for v in square_sums) / len(square_sums)
+    return m4 / (m2 * m2) if m2 > 0 else math.nan
+
+
+def max_median_sum(y: torch.Tensor) -> torch.Tensor:
+    """The sum over tokens of max_j |y_tj| / median_j |y_tj|, for `y` (..., d). The median is torch's: for an
+    even d the lower of the two middle values (as in He et al.'s code)."""
+    a = y.detach().float().abs().reshape(-1, y.size(-1))
+    return (a.amax(-1) / a.median(-1).values).sum()
+
+
+# Logits are reduced in chunks of at most this many elements, so that log Z adds little to a telemetry
+# step's peak memory whatever the vocabulary (the float32 copy of a chunk, not of the whole batch's logits).
+LOGZ_CHUNK = 1 << 22
+
+
+def logz_sum(logits: torch.Tensor) -> torch.Tensor:
+    """The sum over tokens of log Z = logsumexp_v(logit_v), the log of the softmax's partition function,
+    for `logits` (..., vocab), in float32."""
+    rows = logits.detach().reshape(-1, logits.size(-1))
+    step = max(1, LOGZ_CHUNK // rows.size(-1))
+    return sum(torch.logsumexp(chunk.float(), dim=-1).sum() for chunk in rows.split(step))
 
 
 def l2(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,215 @@
+"""The block-influence, rank-collapse, outlier, entropy-collapse and log Z statistics: each reduction against a
+computation by hand on a fixed tensor, the logged values against a forward done by hand, and the same keys
+from a packed member and in wandb."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import normlab.train.probe_stats as probe_stats
+from conftest import tiny_config
+from normlab.config import TelemetryConfig
+from normlab.data import load_corpus, sample_batch
+from normlab.nn.model import GPT
+from normlab.train.probe import PROBE_SEQS
+from normlab.train.probe_stats import (
+    attention_stats,
+    block_angle_sum,
+    feature_kurtosis,
+    feature_square_sums,
+    head_entropy_stats,
+    logz_sum,
+    max_median_sum,
+    token_cos_sum,
+)
+from normlab.train.run import train
+from normlab.train.runtime import seed_everything
+from test_pack import grid, rows, train_both, worst_difference
+from test_telemetry import head_entropies_by_hand, run
+from test_wandb import OfflineRun, no_user_wandb_settings  # noqa: F401  (a fixture, named in usefixtures)
+from test_wandb import _cfg as wandb_cfg
+
+NEW_STATS = ("act/block_angle", "act/token_cos", "act/kurtosis", "act/max_median", "attn/entropy_min")
+
+
+# ---------------------------------------------------------------- by hand, one value at a time
+
+
+def angles_by_hand(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """The angle in degrees between x[t] and y[t] for every token t (last axis: features)."""
+    x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    out = []
+    for a, b in zip(x, y):
+        cos = sum(p * q for p, q in zip(a, b)) / (math.sqrt(sum(p * p for p in a)) * math.sqrt(sum(q * q for q in b)))
+        out.append(math.degrees(math.acos(max(-1.0, min(1.0, cos)))))
+    return out
+
+
+def token_cos_by_hand(y: np.ndarray) -> list[float]:
+    """For each sequence of y (B, T, d), the mean over ordered pairs i != j of cos(y_i, y_j)."""
+    means = []
+    for seq in y:
+        cosines = [
+            float(seq[i] @ seq[j] / (np.linalg.norm(seq[i]) * np.linalg.norm(seq[j])))
+            for i in range(len(seq)) for j in range(len(seq)) if i != j
+        ]
+        means.append(sum(cosines) / len(cosines))
+    return means
+
+
+def kurtosis_by_hand(y: np.ndarray) -> float:
+    """He et al. 2024: s_j = RMS over tokens of feature j; mean(s^4) / mean(s^2)^2."""
+    flat = y.reshape(-1, y.shape[-1])
+    rms = [math.sqrt(sum(v * v for v in flat[:, j]) / len(flat)) for j in range(flat.shape[1])]
+    return (sum(s**4 for s in rms) / len(rms)) / (sum(s**2 for s in rms) / len(rms)) ** 2
+
+
+def max_median_by_hand(y: np.ndarray) -> list[float]:
+    """For each token: max |y_j| over the features / the lower median of |y_j|."""
+    out = []
+    for token in y.reshape(-1, y.shape[-1]):
+        magnitudes = sorted(abs(float(v)) for v in token)
+        out.append(magnitudes[-1] / magnitudes[(len(magnitudes) - 1) // 2])
+    return out
+
+
+def logz_by_hand(logits: np.ndarray) -> list[float]:
+    return [math.log(sum(math.exp(float(v)) for v in row)) for row in logits.reshape(-1, logits.shape[-1])]
+
+
+def fixed(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_block_angle_of_known_angles_and_of_a_fixed_tensor():
+    theta = math.radians(30)
+    x = torch.tensor([[[1.0, 0.0, 0.0], [2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]]])
+    y = torch.tensor([[[math.cos(theta), math.sin(theta), 0.0], [6.0, 0.0, 0.0], [0.0, 0.0, 5.0], [-1.0, -1.0, 0.0]]])
+    assert block_angle_sum(x, y).item() / 4 == pytest.approx((30 + 0 + 90 + 180) / 4, rel=1e-6)
+    x, y = fixed(2, 5, 6), fixed(2, 5, 6, seed=1)
+    want = angles_by_hand(x.numpy().astype(float), y.numpy().astype(float))
+    assert block_angle_sum(x, y).item() == pytest.approx(sum(want), rel=1e-5)
+    # Small angles, where arccos of a rounded float32 cosine would be off by ~0.02 degrees.
+    near = x + 1e-4 * y
+    small = angles_by_hand(x.double().numpy(), near.double().numpy())
+    assert block_angle_sum(x, near).item() == pytest.approx(sum(small), rel=1e-3)
+
+
+def test_token_cos_excludes_each_token_with_itself():
+    y = fixed(3, 4, 5)
+    assert token_cos_sum(y).item() / 3 == pytest.approx(np.mean(token_cos_by_hand(y.double().numpy())), abs=1e-6)
+    same = torch.ones(2, 6, 4) * torch.tensor([1.0, -2.0, 0.5, 3.0])
+    assert token_cos_sum(same).item() / 2 == pytest.approx(1.0, rel=1e-6)  # collapsed: every pair is parallel
+    # Two opposite tokens: the one pair has cosine -1 (with i == j counted the mean would be 0).
+    assert token_cos_sum(torch.tensor([[[1.0, 2.0], [-1.0, -2.0]]])).item() == pytest.approx(-1.0, rel=1e-6)
+
+
+def test_kurtosis_is_he_et_al_s_over_the_features_rms():
+    y = fixed(2, 7, 6)
+    assert feature_kurtosis(feature_square_sums(y).tolist()) == pytest.approx(kurtosis_by_hand(y.double().numpy()), rel=1e-5)
+    # Every feature of equal RMS gives 1; one feature of RMS 10 among 3 of RMS 1: (1e4 + 3)/4 / ((100 + 3)/4)^2.
+    signs = torch.tensor([[1.0, -1.0, 1.0, -1.0], [-1.0, 1.0, 1.0, 1.0]])
+    assert feature_kurtosis(feature_square_sums(signs).tolist()) == pytest.approx(1.0)
+    outlier = signs * torch.tensor([10.0, 1.0, 1.0, 1.0])
+    assert feature_kurtosis(feature_square_sums(outlier).tolist()) == pytest.approx((1e4 + 3) / 4 / (103 / 4) ** 2)
+
+
+def test_max_median_per_token_with_the_lower_median():
+    y = torch.tensor([[[1.0, -2.0, 3.0, -8.0], [0.5, 0.5, -4.0, 1.0]]])  # |y| sorted: 1,2,3,8 and 0.5,0.5,1,4
+    assert max_median_sum(y).item() == pytest.approx(8 / 2 + 4 / 0.5)
+    y = fixed(2, 3, 7)
+    assert max_median_sum(y).item() == pytest.approx(sum(max_median_by_hand(y.double().numpy())), rel=1e-5)
+
+
+def test_entropy_min_is_the_smallest_head_mean():
+    q, k = 3 * fixed(2, 3, 9, 4), 3 * fixed(2, 3, 9, 4, seed=1)
+    q[:, 1] *= 4  # sharper attention in head 1: a lower entropy than the others
+    _, head_sums = attention_stats(q, k)
+    mean, smallest = head_entropy_stats(head_sums.tolist(), 2)
+    by_hand = head_entropies_by_hand(q, k)
+    assert min(by_hand) == by_hand[1]
+    assert smallest == pytest.approx(by_hand[1], rel=1e-5) and mean == pytest.approx(np.mean(by_hand), rel=1e-5)
+
+
+def test_attention_softcap_caps_the_logits_the_softmax_sees():
+    q, k = 5 * fixed(1, 2, 6, 4), 5 * fixed(1, 2, 6, 4, seed=1)
+    raw, _ = attention_stats(q, k)
+    capped, head_sums = attention_stats(q, k, softcap=2.0)
+    assert raw.item() > 2.0 and capped.item() == pytest.approx(2.0 * math.tanh(raw.item() / 2.0), rel=1e-6)
+    scores = (q.double() @ k.double().transpose(-2, -1)) / 2.0
+    scores = 2.0 * torch.tanh(scores / 2.0)
+    entropies = []
+    for t in range(6):
+        p = torch.softmax(scores[0, 0, t, : t + 1], dim=0)
+        entropies.append(-(p * p.log()).sum().item())
+    assert head_sums[0].item() == pytest.approx(sum(entropies) / 6, rel=1e-5)
+
+
+def test_logz_by_hand_and_in_chunks(monkeypatch):
+    logits = 4 * fixed(2, 3, 11)
+    want = sum(logz_by_hand(logits.double().numpy()))
+    assert logz_sum(logits).item() == pytest.approx(want, rel=1e-6)
+    monkeypatch.setattr(probe_stats, "LOGZ_CHUNK", 22)  # two rows per chunk
+    assert logz_sum(logits).item() == pytest.approx(want, rel=1e-6)
+    assert logz_sum(torch.zeros(1, 5, 8)).item() == pytest.approx(5 * math.log(8))  # uniform: log(vocab)
+
+
+# ---------------------------------------------------------------- the logged values
+
+
+def test_logged_values_equal_a_forward_by_hand(tmp_path, text_data):
+    """Step 0 of a real run (batch 12: the probe's 8 sequences are a part of it) against the same
+    forward done block by block, each statistic computed by hand."""
+    cfg = tiny_config("rms", "pre", data=text_data, batch_size=12, max_steps=1, telemetry=TelemetryConfig(every=1))
+    logged = run(cfg, tmp_path)[0]
+
+    seed_everything(cfg.seed)
+    model = GPT(cfg).train()
+    x, _ = sample_batch(load_corpus(cfg.data).train, cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed))
+    expected = {}
+    with torch.no_grad():
+        h = model.tok_emb(x) + model.pos_emb(torch.arange(cfg.seq_len))
+        for i, block in enumerate(model.blocks):
+            label = f"L{i:02d}"
+            q, k, _ = block.attn.heads(block.norm1(h[:PROBE_SEQS]))  # pre-norm: attention reads norm1(x)
+            out = block(h)
+            before, after = h.double().numpy(), out.double().numpy()
+            expected[f"act/block_angle/{label}"] = np.mean(angles_by_hand(before, after))
+            expected[f"act/token_cos/{label}"] = np.mean(token_cos_by_hand(after))
+            expected[f"act/kurtosis/{label}"] = kurtosis_by_hand(after)
+            expected[f"act/max_median/{label}"] = np.mean(max_median_by_hand(after[:PROBE_SEQS]))
+            expected[f"attn/entropy_min/{label}"] = min(head_entropies_by_hand(q, k))
+            h = out
+        expected["out/logz"] = np.mean(logz_by_hand(model.head(model.norm_f(h)).double().numpy()))
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_a_packed_member_logs_its_unpacked_runs_new_keys(tmp_path, one_thread):
+    """Micro-batches of 4 (batch 16, grad_accum 4): the probe's sequences span two micro-batches in both."""
+    cfgs = grid("rms", "pre", lrs=(1e-3, 1e-2), seeds=(0,), batch_size=16, grad_accum=4)
+    for cfg in cfgs:
+        cfg.telemetry.every = 2
+    train_both(cfgs, tmp_path)
+    for i in range(len(cfgs)):
+        expected, got = rows(tmp_path / f"run{i}"), rows(tmp_path / f"member{i}")
+        logged = {key for row in got for key in row}
+        assert {f"{stat}/L01" for stat in NEW_STATS} | {"out/logz"} <= logged
+        worst, where = worst_difference(expected, got)  # every key, the new ones included
+        assert worst < 1, where
+
+
+@pytest.mark.usefixtures("no_user_wandb_settings")
+def test_wandb_layers_true_gets_the_new_keys(tmp_path):
+    train(wandb_cfg(layers=True), tmp_path)
+    history = [row for row in OfflineRun(tmp_path).history if "act/block_angle/L00" in row]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    measured = [r for r in records if "act/block_angle/L00" in r]
+    assert [row["step"] for row in history] == [r["step"] for r in measured] == [0, 3]
+    for row, record in zip(history, measured):
+        for key in [f"{stat}/L{i:02d}" for stat in NEW_STATS for i in range(2)] + ["out/logz"]:
+            assert row[key] == pytest.approx(record[key], rel=1e-12), key
+

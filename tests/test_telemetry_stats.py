@@ -14,7 +14,7 @@ from conftest import tiny_config
 from normlab.config import TelemetryConfig
 from normlab.data import load_corpus, sample_batch
 from normlab.nn.model import GPT
-from normlab.train.probe import PROBE_SEQS
+from normlab.train.probe import PROBE_SEQS, Probe
 from normlab.train.probe_stats import (
     attention_stats,
     block_angle_sum,
@@ -155,6 +155,36 @@ def test_logz_by_hand_and_in_chunks(monkeypatch):
     monkeypatch.setattr(probe_stats, "LOGZ_CHUNK", 22)  # two rows per chunk
     assert logz_sum(logits).item() == pytest.approx(want, rel=1e-6)
     assert logz_sum(torch.zeros(1, 5, 8)).item() == pytest.approx(5 * math.log(8))  # uniform: log(vocab)
+
+
+def test_attention_statistics_read_a_qk_norm_over_the_whole_projection_and_a_softcap():
+    """A QK-norm over all heads at once (OLMo 2) hands q and k to its hook as (B, T, C); an attention
+    module with a `softcap` has its logits capped as the softmax sees them."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config("rms", "pre"))
+    attn = model.blocks[0].attn
+    attn.q_norm, attn.k_norm = torch.nn.LayerNorm(32), torch.nn.LayerNorm(32)
+
+    def heads(x):
+        B, T, C = x.shape
+        q, k, v = attn.qkv(x).split(C, dim=2)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        return tuple(t.reshape(B, T, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k, v))
+
+    attn.heads = heads
+    x = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+    stats = {}
+    for softcap in (None, 0.5):
+        attn.softcap = softcap
+        probe = Probe(model, every=1, max_steps=1)
+        with probe.watch(), torch.no_grad():
+            model(x)
+        stats[softcap] = probe.collect()
+    with torch.no_grad():
+        q, k, _ = heads(model.blocks[0].norm1(model.tok_emb(x) + model.pos_emb(torch.arange(16))))
+    assert stats[None]["attn/entropy_min/L00"] == pytest.approx(min(head_entropies_by_hand(q, k)), rel=1e-5)
+    raw = stats[None]["attn/logit_max/L00"]
+    assert raw > 0.5 and stats[0.5]["attn/logit_max/L00"] == pytest.approx(0.5 * math.tanh(raw / 0.5), rel=1e-5)
 
 
 # ---------------------------------------------------------------- the logged values

@@ -63,6 +63,15 @@ PROBE_SEQS = 8
 # DyT's scalar α, reported as norm/alpha: one name for every norm that has one.
 (ALPHA_PARAM,) = ALPHA_PARAMS
 
+
+def _as_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Queries or keys as (B, n_head, T, head_dim): a QK-norm over the whole projection sees them as (B, T, C)."""
+    if x.dim() == 4:
+        return x
+    B, T, C = x.shape
+    return x.reshape(B, T, n_head, C // n_head).transpose(1, 2)
+
+
 def _is_norm_slot(name: str, module: nn.Module) -> bool:
     # Slots are named norm1, norm2, norm1_out, ... in every arm; an unused slot is an nn.Identity.
     return name.startswith("norm") and not isinstance(module, nn.Identity)
@@ -71,12 +80,13 @@ def _is_norm_slot(name: str, module: nn.Module) -> bool:
 class Probe:
     """Measures one model's per-layer statistics on the steps `active` says.
 
-    `model` is a normlab GPT (or anything with `blocks`, `tok_emb`, `pos_emb`, `norm_f` and
-    attention modules with `q_norm`/`k_norm`). `every=0` makes no step active.
+    `model` is a normlab GPT (or anything with `blocks`, `tok_emb`, `pos_emb`, `norm_f`, `head` and
+    attention modules with `n_head` and `q_norm`/`k_norm`). `every=0` makes no step active.
 
-    On the device, each hooked tensor is reduced to its L2 norm (or max |x|) and each parameter to
-    the L2 norm of its gradient, weight and update; `collect` moves these few hundred scalars to the
-    host at once and combines them there (RMS over micro-batches, norms over parameter groups).
+    On the device, each hooked tensor is reduced to its L2 norm, its max |x| or a sum (probe_stats) and
+    each parameter to the L2 norm of its gradient, weight and update; `collect` moves these few hundred
+    values to the host at once and combines them there (RMS over micro-batches, sums over their counts,
+    norms over parameter groups).
     """
 
     def __init__(self, model: nn.Module, every: int, max_steps: int):
@@ -249,6 +259,7 @@ class Probe:
             q, k = self._qk.pop(f"{label}/q", None), self._qk.pop(f"{label}/k", None)
             if q is None or k is None:
                 return  # heads() did not run its q/k norms
+            q, k = _as_heads(q, module.n_head), _as_heads(k, module.n_head)
             rows = self._probe_rows(f"{label}/attn", q.size(0))
             if rows:
                 with torch.no_grad():

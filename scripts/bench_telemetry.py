@@ -8,16 +8,24 @@ is far less sensitive to other processes when torch runs one thread: `--threads 
 may be shared: the three variants run interleaved, round after round, and every figure is a
 median over all windows of all rounds.
 
+`--isolated N` also times the Probe alone, which a loaded machine cannot hide: N training steps of
+the same model and batch without the Probe and N with it watching (forward, backward, its gradient,
+weight and update statistics, collect), interleaved, by process CPU time; printed are the minimum of
+each and the median of the paired differences, i.e. what one telemetry step adds.
+
     python scripts/bench_telemetry.py [--rounds 8] [--windows 2] [--threads N] [--batch 32] [--seq 128]
+                                      [--isolated 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 
@@ -61,6 +69,41 @@ def run_variant(every: int, interval: int, windows: int, workdir: str, batch: in
     return clock.windows(interval)
 
 
+def probe_cost(steps: int, batch: int, seq: int) -> tuple[float, float, float]:
+    """(plain, watched, added) seconds of process CPU time: the minimum plain and watched step over `steps`
+    interleaved pairs, and the median of their differences."""
+    from normlab.nn.model import GPT
+    from normlab.train.loop import loss_fn
+    from normlab.train.probe import Probe
+
+    cfg = RunConfig(batch_size=batch, seq_len=seq, device="cpu", precision="fp32")
+    cfg.validate()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, cfg.model.vocab_size, (batch, seq))
+    probe, scaler = Probe(model, every=1, max_steps=steps), torch.amp.GradScaler("cpu", enabled=False)
+
+    def step(watched: bool) -> float:
+        started = time.process_time()
+        with probe.watch() if watched else contextlib.nullcontext():
+            loss_fn(model(x), x).backward()
+        if watched:
+            probe.measure_gradients(scaler)
+            probe.before_update()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if watched:
+            probe.collect()
+        return time.process_time() - started
+
+    for _ in range(2):  # warm-up
+        step(False), step(True)
+    pairs = [(step(False), step(True)) for _ in range(steps)]
+    plain, watched = [p for p, _ in pairs], [w for _, w in pairs]
+    return min(plain), min(watched), statistics.median(w - p for p, w in pairs)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8, help="rounds of the three interleaved variants")
@@ -69,6 +112,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--batch", type=int, default=32, help="sequences per step")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--isolated", type=int, default=0, help="steps of the Probe timed alone (0: none)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,6 +141,11 @@ def main() -> int:
             f"{name:<22}{1e3 * wall:>9.1f} ms{100 * (wall / base_wall - 1):>+9.1f}%"
             f"{1e3 * cpu:>9.1f} ms{100 * (cpu / base_cpu - 1):>+9.1f}%"
         )
+    if args.isolated:
+        plain, watched, added = probe_cost(args.isolated, args.batch, args.seq)
+        print(f"probe alone, {args.isolated} interleaved pairs, process CPU time: step min {1e3 * plain:.1f} ms, "
+              f"watched step min {1e3 * watched:.1f} ms, added per telemetry step (median) {1e3 * added:.1f} ms "
+              f"= {100 * added / plain:+.1f}% of a step")
     return 0
 
 

@@ -70,13 +70,15 @@ def test_bench_inprocess_times_the_three_loops(tmp_path):
 
 def test_bench_telemetry_times_the_three_intervals(tmp_path):
     out = script("bench_telemetry.py", "--rounds", "1", "--windows", "1", "--every", "2", "--threads", "1",
-                 "--batch", "2", "--seq", "16", cwd=tmp_path)
+                 "--batch", "2", "--seq", "16", "--isolated", "2", cwd=tmp_path)
     assert "batch 2 x seq 16" in out and "1 rounds x 1 windows of 2 steps" in out
     assert re.search(r"telemetry\s+wall/step\s+overhead\s+cpu/step\s+overhead", out)
     assert row(out, "off", 4)[1] == 0.0  # the baseline's overhead over itself
     for variant in ("every 2 (default)", "every step"):
         wall, _, cpu, _ = row(out, variant, 4)
         assert wall > 0 and cpu > 0
+    isolated = re.search(rf"probe alone, 2 interleaved pairs.*step min ({NUMBER}) ms, watched step min ({NUMBER}) ms", out)
+    assert isolated and 0 < float(isolated.group(1)) and 0 < float(isolated.group(2))
 
 
 def test_checkpoint_cost_saves_and_restores_the_tiny_model(tmp_path):

@@ -102,7 +102,7 @@ class PeakNorm(Norm):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if weight else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         y = x / x.abs().amax(-1, keepdim=True).clamp(min=self.eps)
         return y if self.weight is None else y * self.weight
 

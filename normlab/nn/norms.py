@@ -35,6 +35,13 @@ class Norm(nn.Module):
         """The module `cfg` asks for: by default the constructor takes the norm's knobs as keywords."""
         return cls(dim, **{knob: getattr(cfg, knob) for knob in NORM_TRAITS[cfg.name].knobs})
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of x over its last dimension: what each subclass defines."""
+        raise NotImplementedError
+
 
 class LayerNorm(Norm):
     """y = γ ⊙ (x − μ) / sqrt(σ² + ε) + β over the last dim (Ba et al. 2016); biased variance."""
@@ -45,7 +52,7 @@ class LayerNorm(Norm):
         self.weight = nn.Parameter(torch.ones(dim)) if weight else None
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         w = None if self.weight is None else self.weight.float()
         b = None if self.bias is None else self.bias.float()
         return F.layer_norm(x.float(), (self.dim,), w, b, self.eps).to(x.dtype)
@@ -62,7 +69,7 @@ class RMSNorm(Norm):
         self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.ones(dim)) if weight else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         w = None if self.weight is None else self.weight.float()
         return F.rms_norm(x.float(), (self.dim,), w, self.eps).to(x.dtype)
 
@@ -156,7 +163,7 @@ class BatchNorm(StepStatistics, Norm):
             raise ValueError("causal BatchNorm keeps statistics per position: build_norm needs `positions`")
         return CausalBatchNorm(dim, positions, cfg.eps, cfg.momentum, cfg.weight, cfg.bias, cfg.stat_rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.dim).float()
         w = None if self.weight is None else self.weight.float()
         b = None if self.bias is None else self.bias.float()
@@ -193,7 +200,7 @@ class CausalBatchNorm(StepStatistics, Norm):
         self._init_step_statistics((positions, dim), stat_rows)
         self.process_group = None  # as BatchNorm's: set by distributed.wrap for norm.sync=true
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         if T > self.positions:
             raise ValueError(f"sequence of length {T} exceeds the {self.positions} positions CausalBatchNorm tracks")
@@ -235,7 +242,7 @@ class DyT(Norm):
         alpha = {"attn": cfg.alpha_attn, "mlp": cfg.alpha_mlp, "final": cfg.alpha_final}[role]
         return cls(dim, alpha, cfg.weight, cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.tanh(self.alpha.float() * x.float())
         if self.weight is not None:
             y = y * self.weight.float()
@@ -255,7 +262,7 @@ class ScaleNorm(Norm):
         self.dim, self.eps = dim, eps
         self.g = nn.Parameter(torch.tensor(math.sqrt(dim)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return (self.g.float() * F.normalize(x.float(), dim=-1, eps=self.eps)).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -269,7 +276,7 @@ class L2Norm(Norm):
         super().__init__()
         self.dim, self.eps = dim, eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return F.normalize(x.float(), dim=-1, eps=self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:

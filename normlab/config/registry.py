@@ -56,6 +56,13 @@ NORM_TRAITS: dict[str, NormTraits] = {
     "dyt": NormTraits(
         "DyT", ("alpha_attn", "alpha_mlp", "alpha_final", "weight", "bias"), ("DyT",), gains=("weight",), alphas=("alpha",)
     ),
+    "derf": NormTraits(
+        "Derf",
+        ("alpha_attn", "alpha_mlp", "alpha_final", "shift", "weight", "bias"),
+        ("Derf",),
+        gains=("weight",),
+        alphas=("alpha",),
+    ),
     "scale": NormTraits("ScaleNorm", ("eps",), ("ScaleNorm",), gains=("g",)),
     "l2": NormTraits("L2 norm", ("eps",), ("L2Norm",)),
 }

@@ -36,9 +36,10 @@ class NormConfig:
     sync: bool = True  # BatchNorm under DDP: statistics over the global batch
     causal: bool = False  # BatchNorm: statistics per position over the batch, never across time
     stat_rows: int | None = None  # BatchNorm: sequences per statistic ("ghost batch"); null: the micro-batch
-    alpha_attn: float = 0.5  # DyT: initial α of the attention norms (and of QK-norm)
-    alpha_mlp: float = 0.5  # DyT: initial α of the MLP norms
-    alpha_final: float = 0.5  # DyT: initial α of the final norm before the head
+    alpha_attn: float = 0.5  # DyT, Derf: initial α of the attention norms (and of QK-norm and the embedding norm)
+    alpha_mlp: float = 0.5  # DyT, Derf: initial α of the MLP norms
+    alpha_final: float = 0.5  # DyT, Derf: initial α of the final norm before the head
+    shift: float = 0.0  # Derf: initial shift s inside the erf
 
     @property
     def label(self) -> str:

@@ -239,19 +239,52 @@ class DyT(Norm):
     @classmethod
     def from_config(cls, cfg: NormConfig, dim: int, role: str, positions: int | None) -> Norm:
         """DyT with the initial α of its slot's role."""
-        alpha = {"attn": cfg.alpha_attn, "mlp": cfg.alpha_mlp, "final": cfg.alpha_final}[role]
-        return cls(dim, alpha, cfg.weight, cfg.bias)
+        return cls(dim, slot_alpha(cfg, role), cfg.weight, cfg.bias)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.tanh(self.alpha.float() * x.float())
-        if self.weight is not None:
-            y = y * self.weight.float()
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype)
+        return affine(torch.tanh(self.alpha.float() * x.float()), self.weight, self.bias).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, weight={self.weight is not None}, bias={self.bias is not None}"
+
+
+class Derf(Norm):
+    """Dynamic erf, y = γ ⊙ erf(α x + s) + β with α and s learnable scalars (Chen et al. 2025,
+    "Stronger Normalization-Free Transformers"; α and s are scalars there and in x-transformers' Derf)."""
+
+    def __init__(self, dim: int, alpha: float = 0.5, shift: float = 0.0, weight: bool = True, bias: bool = True):
+        super().__init__()
+        self.dim = dim
+        self.alpha = nn.Parameter(torch.tensor(float(alpha)))
+        self.shift = nn.Parameter(torch.tensor(float(shift)))
+        self.weight = nn.Parameter(torch.ones(dim)) if weight else None
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    @classmethod
+    def from_config(cls, cfg: NormConfig, dim: int, role: str, positions: int | None) -> Norm:
+        """Derf with the initial α of its slot's role (DyT's knobs) and the initial shift norm.shift."""
+        return cls(dim, slot_alpha(cfg, role), cfg.shift, cfg.weight, cfg.bias)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.erf(self.alpha.float() * x.float() + self.shift.float())
+        return affine(y, self.weight, self.bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, weight={self.weight is not None}, bias={self.bias is not None}"
+
+
+def slot_alpha(cfg: NormConfig, role: str) -> float:
+    """The initial α of a DyT or Derf in a slot of `role`: norm.alpha_attn, alpha_mlp or alpha_final."""
+    return {"attn": cfg.alpha_attn, "mlp": cfg.alpha_mlp, "final": cfg.alpha_final}[role]
+
+
+def affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """y ⊙ γ + β in float32, either parameter None for none."""
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y
 
 
 class ScaleNorm(Norm):
@@ -290,7 +323,7 @@ def build_norm(cfg: NormConfig, dim: int, role: str = "attn", positions: int | N
     """The norm module that `cfg` names, for feature size `dim`.
 
     `role` is the slot the norm serves: 'attn' (the attention sublayer's norms and
-    QK-norm), 'mlp' or 'final'; only DyT's initial α depends on it. `positions`
+    QK-norm), 'mlp' or 'final'; only DyT's and Derf's initial α depend on it. `positions`
     (the model's context) is needed by causal BatchNorm, which keeps statistics per position.
     """
     if role not in NORM_ROLES:

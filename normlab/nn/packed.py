@@ -141,7 +141,9 @@ def member_view(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def member_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """(len(tensors), M): the L2 norm of each member's slice of each stacked tensor, in float32."""
-    return torch.stack([torch.linalg.vector_norm(t.detach().flatten(1), dim=1, dtype=torch.float32) for t in tensors])
+    # reshape, not flatten(1): a stacked scalar parameter (DyT's α, ScaleNorm's g) is (M,), with no dim 1
+    return torch.stack([torch.linalg.vector_norm(t.detach().reshape(t.shape[0], -1), dim=1, dtype=torch.float32)
+                        for t in tensors])
 
 
 def clip_members(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -97,6 +97,9 @@ def test_module_names_are_stable_across_arms():
         "blocks.1.norm2_out",
         "blocks.1.attn.q_norm",
         "blocks.1.attn.k_norm",
+        "blocks.1.gate1",
+        "blocks.1.gate2",
+        "norm_embed",
         "norm_f",
         "tok_emb",
     ):
@@ -299,3 +302,4 @@ def test_embed_scale_key_reaches_the_model():
     assert GPT(cfg).embed_scale == 1.0
     cfg.model.embed_scale = True
     assert GPT(cfg).embed_scale == math.sqrt(cfg.model.d_model)
+

@@ -100,6 +100,22 @@ def test_each_member_of_a_pack_equals_its_unpacked_run(norm, placement, model, t
         assert json.loads((tmp_path / f"member{i}" / "config.json").read_text()) == cfg.to_dict()
 
 
+def test_a_member_of_the_new_arms_equals_its_unpacked_run(tmp_path, one_thread):
+    """LayerNorm Scaling with an embedding norm, ReZero gates, QK-norm over the whole projection, capped
+    attention logits and the z-loss, all at once: the member's rows (its z-loss term too) are its run's."""
+    cfgs = grid("rms", "lns", lrs=(1e-3, 1e-2), seeds=(0,), embed_norm=True, residual_gate="rezero",
+                residual_gate_init=0.1, qk_norm=True, qk_norm_axis="all", attn_softcap=5.0, z_loss=1e-3)
+    for cfg in cfgs:
+        cfg.telemetry.every = 2
+    summaries = train_both(cfgs, tmp_path)
+    for i, cfg in enumerate(cfgs):
+        expected = rows(tmp_path / f"run{i}")
+        worst, where = worst_difference(expected, rows(tmp_path / f"member{i}"))
+        assert worst < 1, (cfg.run_name, where)
+        assert all(r["z_loss"] > 0 for r in expected if "loss" in r)
+        assert summaries[i]["name"] == cfg.run_name == f"rms-lns-qk_all-embnorm-rezero0.1-cap5-z1e-3-d2-lr{('1e-3', '1e-2')[i]}-s0"
+
+
 def test_batchnorm_with_biases_agrees_in_training_and_within_rounding_noise_in_eval(tmp_path, one_thread):
     cfgs = grid("batch", "pre")
     for cfg in cfgs:

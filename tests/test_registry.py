@@ -76,7 +76,7 @@ def test_a_norms_parameters_are_the_gains_and_alphas_its_row_names(name):
 
 def test_the_derived_lists():
     assert NORMS == ("none", "layer", "rms", "batch", "dyt", "derf", "scale", "l2")
-    assert PLACEMENTS == ("pre", "post", "sandwich", "deepnorm", "mix")
+    assert PLACEMENTS == ("pre", "post", "sandwich", "deepnorm", "mix", "reordered", "lns")
     assert GAIN_PARAMS == ("weight", "g") and probe.GAIN_PARAMS is GAIN_PARAMS
     assert probe.ALPHA_PARAM == "alpha"
     assert [n for n in NORMS if not NORM_TRAITS[n].per_token] == ["batch"]

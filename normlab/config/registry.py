@@ -97,6 +97,7 @@ class PlacementTraits:
     slots: tuple[str, ...]  # of 'pre' (before f), 'branch' (after f, before the add), 'post' (after the add)
     deepnorm: bool = False  # residual × α = (2N)^(1/4), and β = (8N)^(-1/4) on the init (Wang et al. 2022)
     leading: str | None = None  # mix: the first ⌊mix_p·depth⌋ blocks take this placement instead
+    depth_scale: bool = False  # LayerNorm Scaling: the pre slot's norm output × 1/sqrt(ℓ), ℓ the 1-based block (Sun et al. 2025)
 
 
 PLACEMENT_TRAITS: dict[str, PlacementTraits] = {
@@ -105,5 +106,7 @@ PLACEMENT_TRAITS: dict[str, PlacementTraits] = {
     "sandwich": PlacementTraits(("pre", "branch")),
     "deepnorm": PlacementTraits(("post",), deepnorm=True),
     "mix": PlacementTraits(("pre",), leading="post"),
+    "reordered": PlacementTraits(("branch",)),  # OLMo 2: x + Norm(f(x))
+    "lns": PlacementTraits(("pre",), depth_scale=True),
 }
 PLACEMENTS = tuple(PLACEMENT_TRAITS)

@@ -14,7 +14,7 @@ from typing import Any, Mapping, get_type_hints
 
 from normlab.config.parse import build_config, dotted_keys, format_lr, nearest_key, unknown_key_line
 from normlab.config.registry import LABEL_SUFFIXES, NORM_TRAITS
-from normlab.config.validate import validate_run
+from normlab.config.validate import AUTO_FINAL_NORM, validate_run
 
 
 def bookkeeping(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
@@ -136,7 +136,15 @@ class RunConfig:
     norm: NormConfig = field(default_factory=NormConfig)
     placement: str = "pre"
     mix_p: float = 0.25  # placement=mix: the first ⌊mix_p·depth⌋ blocks are post-norm, the rest pre-norm
-    qk_norm: bool = False  # a per-head norm on queries and keys, whatever the placement
+    embed_norm: bool = False  # a norm on the embedding (token + position) before block 0
+    final_norm: bool | str = "auto"  # the norm before the head: auto (the placement's default), true or false
+    residual_gate: str = "none"  # none | rezero | layerscale: x + a ⊙ f(·) with a learnable a
+    residual_gate_init: float | None = None  # a₀; null: the method's own (ReZero 0, LayerScale by depth as CaiT)
+    qk_norm: bool = False  # a norm on queries and keys, whatever the placement
+    qk_norm_axis: str = "head"  # head: over each head's head_dim (Qwen3); all: over the whole projection (OLMo 2)
+    qk_norm_gains: str = "shared"  # shared: one gain for every head; head: a gain per head (with qk_norm_axis=head)
+    attn_softcap: float | None = None  # c of c·tanh(logit/c) on the attention logits (Gemma 2); null: none
+    z_loss: float = 0.0  # c of + c·mean((log Z)²) on the output logits (PaLM); 0: none
     depth: int = 4
     lr: float = 1e-3
     init: str = "normal"
@@ -192,9 +200,29 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        """The arm: norm label, placement (with p for mix) and '-qk' under QK-norm, e.g. 'dyt-mix0.25-qk'."""
+        """The arm: norm label, placement (with p for mix), '-qk' under QK-norm and a suffix for each
+        switch away from its default, e.g. 'dyt-mix0.25-qk', 'rms-pre-qk_all-cap50', 'none-pre-rezero'."""
         placement = f"mix{self.mix_p:g}" if self.placement == "mix" else self.placement
-        return f"{self.norm.label}-{placement}" + ("-qk" if self.qk_norm else "")
+        return f"{self.norm.label}-{placement}" + "".join(self._switch_labels())
+
+    def _switch_labels(self) -> list[str]:
+        """One label part per switch set away from its default; none for a run of the default switches."""
+        parts = []
+        if self.qk_norm:
+            parts.append("-qk" + ("_all" if self.qk_norm_axis == "all" else "")
+                         + ("_headgains" if self.qk_norm_gains == "head" else ""))
+        if self.embed_norm:
+            parts.append("-embnorm")
+        if self.final_norm != AUTO_FINAL_NORM:
+            parts.append("-final" if self.final_norm else "-nofinal")
+        if self.residual_gate != "none":
+            init = "" if self.residual_gate_init is None else f"{self.residual_gate_init:g}"
+            parts.append(f"-{self.residual_gate}{init}")
+        if self.attn_softcap is not None:
+            parts.append(f"-cap{self.attn_softcap:g}")
+        if self.z_loss:
+            parts.append(f"-z{format_lr(self.z_loss)}")
+        return parts
 
     @property
     def run_name(self) -> str:

@@ -35,6 +35,10 @@ KEY_CHOICES: dict[str, tuple[str, ...]] = {
     "wandb.mode": WANDB_MODES, "wandb.on_unreachable": WANDB_UNREACHABLE,
 }
 RESUME_CHOICES = "choose null (start fresh), auto (the newest checkpoint in the run dir, if any) or a checkpoint path"
+AUTO_FINAL_NORM = "auto"  # final_norm: the placement's own choice
+RESIDUAL_GATES = ("none", "rezero", "layerscale")
+QK_NORM_AXES = ("head", "all")
+QK_NORM_GAINS = ("shared", "head")
 
 
 def validate_run(cfg: Any) -> None:
@@ -47,6 +51,7 @@ def validate_run(cfg: Any) -> None:
     check_shapes(cfg)
     check_norm_knobs(cfg)
     check_combination(cfg)
+    check_switches(cfg)
     check_data(cfg)
     check_limits(cfg)
     check_data_source(cfg)
@@ -57,6 +62,11 @@ def check_choices(cfg: Any) -> None:
     _choice("norm.name", cfg.norm.name, tuple(NORM_TRAITS))
     _choice("placement", cfg.placement, tuple(PLACEMENT_TRAITS))
     _choice("init", cfg.init, INITS)
+    _choice("residual_gate", cfg.residual_gate, RESIDUAL_GATES)
+    _choice("qk_norm_axis", cfg.qk_norm_axis, QK_NORM_AXES)
+    _choice("qk_norm_gains", cfg.qk_norm_gains, QK_NORM_GAINS)
+    if cfg.final_norm != AUTO_FINAL_NORM and not isinstance(cfg.final_norm, bool):
+        raise ConfigError(f"final_norm={cfg.final_norm!r} is not allowed: choose auto (the placement's default), true or false")
     _choice("precision", cfg.precision, PRECISIONS)
     _choice("device", cfg.device, DEVICES)
     _choice("compile_mode", cfg.compile_mode, COMPILE_MODES)
@@ -121,6 +131,10 @@ def check_ranges(cfg: Any) -> None:
         raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip}: must be >= 0 (0 turns clipping off)")
     if cfg.optim.weight_decay < 0:
         raise ConfigError(f"optim.weight_decay={cfg.optim.weight_decay}: must be >= 0")
+    if cfg.attn_softcap is not None and not cfg.attn_softcap > 0:
+        raise ConfigError(f"attn_softcap={cfg.attn_softcap}: must be a positive number, or null for no cap")
+    if cfg.z_loss < 0:
+        raise ConfigError(f"z_loss={cfg.z_loss}: must be >= 0 (0 turns the z-loss off)")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction}: must be between 0 and 1, exclusive")
 
@@ -178,6 +192,46 @@ def check_combination(cfg: Any) -> None:
         )
     if traits.batch_statistics:
         check_stat_rows(cfg)
+
+
+def check_switches(cfg: Any) -> None:
+    """The switches around the blocks and in attention: each needs what it acts on."""
+    has_norm = bool(NORM_TRAITS[cfg.norm.name].classes)
+    if cfg.embed_norm and not has_norm:
+        raise ConfigError("embed_norm=true with norm=none: there is no norm to put on the embedding; choose a norm")
+    if cfg.embed_norm and NORM_TRAITS[cfg.norm.name].batch_statistics and cfg.norm.causal:
+        raise ConfigError(
+            f"embed_norm=true with norm={cfg.norm.label}: its per-position statistics subtract the position "
+            "embedding exactly, which leaves the model no learned positions; choose another norm or embed_norm=false"
+        )
+    if cfg.final_norm is True and not has_norm:
+        raise ConfigError("final_norm=true with norm=none: there is no norm to put before the head; choose a norm")
+    if cfg.residual_gate_init is not None and cfg.residual_gate == "none":
+        raise ConfigError(
+            f"residual_gate_init={cfg.residual_gate_init:g} with residual_gate=none: there is no gate to "
+            "initialize; set residual_gate=rezero or layerscale, or residual_gate_init=null"
+        )
+    for key, default in (("qk_norm_axis", "head"), ("qk_norm_gains", "shared")):
+        if getattr(cfg, key) != default and not cfg.qk_norm:
+            raise ConfigError(f"{key}={getattr(cfg, key)} with qk_norm=false: it sets QK-norm's form; add qk_norm=true")
+    if cfg.qk_norm_gains == "head":
+        check_head_gains(cfg)
+
+
+def check_head_gains(cfg: Any) -> None:
+    """qk_norm_gains=head: per-head gains of a per-head norm that has a gain."""
+    if cfg.qk_norm_axis == "all":
+        raise ConfigError(
+            "qk_norm_gains=head with qk_norm_axis=all: a norm over the whole projection already has a gain "
+            "per head and feature; use qk_norm_gains=shared"
+        )
+    qk = cfg.qk_norm_config()
+    traits = NORM_TRAITS[qk.name]
+    if not traits.gains or ("weight" in traits.knobs and not qk.weight):
+        raise ConfigError(
+            f"qk_norm_gains=head with norm={cfg.norm.label}: its QK-norm has no gain to give each head; "
+            "choose a norm with a gain, or qk_norm_gains=shared"
+        )
 
 
 def check_stat_rows(cfg: Any) -> None:

@@ -2,16 +2,18 @@
 
 A placement is nothing but which norm slots around a sublayer f are filled:
 
-    pre slot      branch slot        post slot
-    x ──► Norm ──► f ──► Norm_out ──► (+ α·x) ──► Norm ──► x'
+    pre slot            branch slot             post slot
+    x ──► Norm (× s) ──► f ──► Norm_out ──► a ⊙ ──► (+ α·x) ──► Norm ──► x'
 
 `pre` fills the pre slot, `post` the post slot, `sandwich` the pre and branch
-slots, `deepnorm` the post slot with α = (2N)^(1/4), and `mix` the post slot in
-its first ⌊pN⌋ blocks and the pre slot in the rest (config.PLACEMENT_TRAITS). QK-norm is orthogonal: a
-per-head norm on queries and keys (`attn.q_norm`, `attn.k_norm`). Module names
-are stable across arms (`blocks.3.norm1`, `blocks.3.norm1_out`, `blocks.3.attn`,
-`blocks.3.mlp`, `norm_f`); an unused slot holds `nn.Identity`. The model knows
-nothing of Hydra, wandb or telemetry.
+slots, `reordered` the branch slot alone, `deepnorm` the post slot with α = (2N)^(1/4),
+`mix` the post slot in its first ⌊pN⌋ blocks and the pre slot in the rest, and `lns`
+the pre slot with s = 1/sqrt(ℓ) in block ℓ (config.PLACEMENT_TRAITS). The residual gate a
+(ReZero, LayerScale) is a switch, as are a norm on the embedding (`norm_embed`) and the
+final norm (`norm_f`). QK-norm is orthogonal: a norm on queries and keys (`attn.q_norm`,
+`attn.k_norm`). Module names are stable across arms (`blocks.3.norm1`,
+`blocks.3.norm1_out`, `blocks.3.gate1`, `blocks.3.attn`, `blocks.3.mlp`, `norm_f`); an
+unused slot holds `nn.Identity`. The model knows nothing of Hydra, wandb or telemetry.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from normlab.config import PLACEMENT_TRAITS, RunConfig
+from normlab.config.validate import AUTO_FINAL_NORM
 from normlab.nn.norms import build_norm
 from normlab.nn.sublayers import MLP, CausalSelfAttention
 
@@ -34,7 +37,8 @@ class Slots:
     pre: bool
     post: bool
     alpha: float = 1.0
-    branch: bool = False  # a norm on the sublayer's output, before the residual add (sandwich)
+    branch: bool = False  # a norm on the sublayer's output, before the residual add (sandwich, reordered)
+    pre_scale: float = 1.0  # the pre slot's norm output × this (LayerNorm Scaling: 1/sqrt(ℓ))
 
 
 def deepnorm_alpha(depth: int) -> float:
@@ -60,15 +64,53 @@ def block_slots(placement: str, layer: int, depth: int, mix_p: float = 0.25) -> 
     if traits.leading is not None and layer < mix_post_blocks(depth, mix_p):
         traits = PLACEMENT_TRAITS[traits.leading]
     alpha = deepnorm_alpha(depth) if traits.deepnorm else 1.0
-    return Slots(pre="pre" in traits.slots, post="post" in traits.slots, alpha=alpha, branch="branch" in traits.slots)
+    pre_scale = 1 / math.sqrt(layer + 1) if traits.depth_scale else 1.0
+    return Slots(pre="pre" in traits.slots, post="post" in traits.slots, alpha=alpha, branch="branch" in traits.slots,
+                 pre_scale=pre_scale)
 
 
 def has_final_norm(placement: str, depth: int = 1, mix_p: float = 0.25) -> bool:
     """A residual stream the last block leaves unnormalized needs a norm before the head.
 
-    True for pre, sandwich and mix with a pre-norm last block; False for post and deepnorm.
+    True for pre, sandwich, reordered, lns and mix with a pre-norm last block; False for post and deepnorm.
     """
     return not block_slots(placement, depth - 1, depth, mix_p).post
+
+
+def uses_final_norm(cfg: RunConfig) -> bool:
+    """Whether the model has a norm before the head: final_norm, or with final_norm=auto the placement's default."""
+    if cfg.final_norm == AUTO_FINAL_NORM:
+        return has_final_norm(cfg.placement, cfg.depth, cfg.mix_p)
+    return bool(cfg.final_norm)
+
+
+def gate_init(cfg: RunConfig) -> float:
+    """The residual gate's initial value: residual_gate_init, or the method's own: ReZero's 0
+    (Bachlechner et al. 2020), LayerScale's by depth, 0.1 up to 18 blocks, 1e-5 up to 24, 1e-6 beyond
+    (Touvron et al. 2021, CaiT)."""
+    if cfg.residual_gate_init is not None:
+        return cfg.residual_gate_init
+    if cfg.residual_gate == "rezero":
+        return 0.0
+    return 0.1 if cfg.depth <= 18 else 1e-5 if cfg.depth <= 24 else 1e-6
+
+
+class ResidualGate(nn.Module):
+    """The a of x + a ⊙ f(·): one learnable scalar (ReZero) or one per feature (LayerScale)."""
+
+    def __init__(self, shape: tuple[int, ...], init: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full(shape, float(init)))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.weight
+
+
+def build_gate(cfg: RunConfig) -> nn.Module:
+    if cfg.residual_gate == "none":
+        return nn.Identity()
+    shape = () if cfg.residual_gate == "rezero" else (cfg.model.d_model,)
+    return ResidualGate(shape, gate_init(cfg))
 
 
 class Block(nn.Module):
@@ -76,26 +118,39 @@ class Block(nn.Module):
         super().__init__()
         d, positions = cfg.model.d_model, cfg.model.context
         self.slots = slots
-        self.norm1 = build_norm(cfg.norm, d, "attn", positions)
-        self.attn = CausalSelfAttention(d, cfg.model.n_head, cfg.model.bias, cfg.qk_norm_config())
-        self.norm1_out = build_norm(cfg.norm, d, "attn", positions) if slots.branch else nn.Identity()
-        self.norm2 = build_norm(cfg.norm, d, "mlp", positions)
+
+        def slot_norm(filled: bool, role: str) -> nn.Module:
+            return build_norm(cfg.norm, d, role, positions) if filled else nn.Identity()
+
+        self.norm1 = slot_norm(slots.pre or slots.post, "attn")
+        self.attn = CausalSelfAttention(cfg)
+        self.norm1_out = slot_norm(slots.branch, "attn")
+        self.gate1 = build_gate(cfg)
+        self.norm2 = slot_norm(slots.pre or slots.post, "mlp")
         self.mlp = MLP(d, cfg.model.mlp_ratio, cfg.model.bias)
-        self.norm2_out = build_norm(cfg.norm, d, "mlp", positions) if slots.branch else nn.Identity()
+        self.norm2_out = slot_norm(slots.branch, "mlp")
+        self.gate2 = build_gate(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Per sublayer f (attention, then MLP), with unfilled slots the identity:
 
-        x ──┬─► [norm, pre slot] ─► f ─► [norm_out, branch slot] ─► (+) ─► [norm, post slot] ─► x'
-            └─────────────────────── α · x ─────────────────────────┘
+        x ──┬─► [norm, pre slot] × s ─► f ─► [norm_out, branch slot] ─► gate ─► (+) ─► [norm, post slot] ─► x'
+            └─────────────────────────────── α · x ─────────────────────────────┘
         """
-        x = self._sublayer(x, self.norm1, self.attn, self.norm1_out)
-        return self._sublayer(x, self.norm2, self.mlp, self.norm2_out)
+        x = self._sublayer(x, self.norm1, self.attn, self.norm1_out, self.gate1)
+        return self._sublayer(x, self.norm2, self.mlp, self.norm2_out, self.gate2)
 
-    def _sublayer(self, x: torch.Tensor, norm: nn.Module, f: nn.Module, norm_out: nn.Module) -> torch.Tensor:
-        h = norm_out(f(norm(x) if self.slots.pre else x))
+    def _sublayer(self, x: torch.Tensor, norm: nn.Module, f: nn.Module, norm_out: nn.Module,
+                  gate: nn.Module) -> torch.Tensor:
+        h = gate(norm_out(f(self._pre(norm, x))))
         x = x + h if self.slots.alpha == 1.0 else self.slots.alpha * x + h
         return norm(x) if self.slots.post else x
+
+    def _pre(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.slots.pre:
+            return x
+        y = norm(x)
+        return y if self.slots.pre_scale == 1.0 else y * self.slots.pre_scale
 
 
 class GPT(nn.Module):
@@ -108,11 +163,11 @@ class GPT(nn.Module):
         self.embed_scale = math.sqrt(m.d_model) if m.embed_scale else 1.0
         self.tok_emb = nn.Embedding(m.vocab_size, m.d_model)
         self.pos_emb = nn.Embedding(m.context, m.d_model)
+        self.norm_embed = build_norm(cfg.norm, m.d_model, "attn", m.context) if cfg.embed_norm else nn.Identity()
         self.blocks = nn.ModuleList(
             Block(cfg, block_slots(cfg.placement, i, cfg.depth, cfg.mix_p)) for i in range(cfg.depth)
         )
-        final = has_final_norm(cfg.placement, cfg.depth, cfg.mix_p)
-        self.norm_f = build_norm(cfg.norm, m.d_model, "final", m.context) if final else nn.Identity()
+        self.norm_f = build_norm(cfg.norm, m.d_model, "final", m.context) if uses_final_norm(cfg) else nn.Identity()
         self.head = nn.Linear(m.d_model, m.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied output head
         beta = deepnorm_beta(cfg.depth) if PLACEMENT_TRAITS[cfg.placement].deepnorm else 1.0
@@ -125,7 +180,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {T} exceeds the model's context {self.context}")
         pos = torch.arange(T, device=idx.device)
         tok = self.tok_emb(idx)
-        x = (tok if self.embed_scale == 1.0 else tok * self.embed_scale) + self.pos_emb(pos)
+        x = self.norm_embed((tok if self.embed_scale == 1.0 else tok * self.embed_scale) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm_f(x))

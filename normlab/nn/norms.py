@@ -35,8 +35,16 @@ class Norm(nn.Module):
         """The module `cfg` asks for: by default the constructor takes the norm's knobs as keywords."""
         return cls(dim, **{knob: getattr(cfg, knob) for knob in NORM_TRAITS[cfg.name].knobs})
 
+    # QK-norm over the whole projection (qk_norm_axis=all): x comes in the heads' layout,
+    # (B, n_head, T, head_dim), and is normalized over n_head · head_dim features per token.
+    merged_heads = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.normalize(x)
+        if not self.merged_heads:
+            return self.normalize(x)
+        B, H, T, D = x.shape
+        y = self.normalize(x.transpose(1, 2).reshape(B, T, H * D))
+        return y.view(B, T, H, D).transpose(1, 2)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """The norm of x over its last dimension: what each subclass defines."""
@@ -53,6 +61,8 @@ class LayerNorm(Norm):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if per_head(self.weight, self.bias):
+            return affine(F.layer_norm(x.float(), (self.dim,), None, None, self.eps), self.weight, self.bias).to(x.dtype)
         w = None if self.weight is None else self.weight.float()
         b = None if self.bias is None else self.bias.float()
         return F.layer_norm(x.float(), (self.dim,), w, b, self.eps).to(x.dtype)
@@ -70,6 +80,8 @@ class RMSNorm(Norm):
         self.weight = nn.Parameter(torch.ones(dim)) if weight else None
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if per_head(self.weight):
+            return affine(F.rms_norm(x.float(), (self.dim,), None, self.eps), self.weight, None).to(x.dtype)
         w = None if self.weight is None else self.weight.float()
         return F.rms_norm(x.float(), (self.dim,), w, self.eps).to(x.dtype)
 
@@ -276,6 +288,11 @@ class Derf(Norm):
 def slot_alpha(cfg: NormConfig, role: str) -> float:
     """The initial α of a DyT or Derf in a slot of `role`: norm.alpha_attn, alpha_mlp or alpha_final."""
     return {"attn": cfg.alpha_attn, "mlp": cfg.alpha_mlp, "final": cfg.alpha_final}[role]
+
+
+def per_head(*params: torch.Tensor | None) -> bool:
+    """True when a parameter has a row per head (QK-norm with qk_norm_gains=head: normlab.nn.sublayers)."""
+    return any(p is not None and p.dim() > 1 for p in params)
 
 
 def affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,26 +1,31 @@
-"""The sublayers a block wraps: causal self-attention (with its QK-norm) and the MLP."""
+"""The sublayers a block wraps: causal self-attention (with its QK-norm and logit softcap) and the MLP."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normlab.config import NormConfig
+from normlab.config import GAIN_PARAMS, RunConfig
 from normlab.nn.norms import build_norm
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_head: int, bias: bool, qk_norm: NormConfig | None = None):
+    """Multi-head causal self-attention."""
+
+    def __init__(self, cfg: RunConfig):
         super().__init__()
-        self.n_head = n_head
+        d_model, bias = cfg.model.d_model, cfg.model.bias
+        self.n_head = cfg.model.n_head
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
-        # Per-head query/key norms over head_dim, one module shared by all heads (QK-norm);
-        # identities unless enabled, so the module tree never changes.
-        head_dim = d_model // n_head
-        self.q_norm: nn.Module = build_norm(qk_norm, head_dim, "attn") if qk_norm else nn.Identity()
-        self.k_norm: nn.Module = build_norm(qk_norm, head_dim, "attn") if qk_norm else nn.Identity()
+        # QK-norm's modules take q and k in the heads' layout; identities unless enabled, so the module
+        # tree never changes.
+        self.q_norm = build_qk_norm(cfg)
+        self.k_norm = build_qk_norm(cfg)
+        self.softcap = cfg.attn_softcap
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of shape (B, n_head, T, head_dim), after any QK-norm."""
@@ -32,8 +37,54 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.heads(x)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.softcap is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = softcapped_attention(q, k, v, self.softcap)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: float) -> torch.Tensor:
+    """Causal attention whose logits are capped, cap · tanh(q·k / sqrt(head_dim) / cap) (Gemma 2), written
+    out: scaled_dot_product_attention takes no cap. q, k, v: (B, n_head, T, head_dim); softmax in float32."""
+    T = q.size(-2)
+    logits = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    logits = cap * torch.tanh(logits.float() / cap)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    weights = torch.softmax(logits.masked_fill(future, -math.inf), dim=-1)
+    return weights.to(v.dtype) @ v
+
+
+def build_qk_norm(cfg: RunConfig) -> nn.Module:
+    """QK-norm's module for the queries (or the keys) of one attention layer; nn.Identity without QK-norm.
+
+    It takes them in the heads' layout, (B, n_head, T, head_dim). qk_norm_axis=head normalizes each head
+    over head_dim with one gain shared by the heads, or one per head with qk_norm_gains=head;
+    qk_norm_axis=all normalizes each token's whole projection (n_head · head_dim features) at once.
+    """
+    norm_cfg = cfg.qk_norm_config()
+    if norm_cfg is None:
+        return nn.Identity()
+    d_model, n_head = cfg.model.d_model, cfg.model.n_head
+    if cfg.qk_norm_axis == "all":
+        norm = build_norm(norm_cfg, d_model, "attn")
+        norm.merged_heads = True
+        return norm
+    norm = build_norm(norm_cfg, d_model // n_head, "attn")
+    if cfg.qk_norm_gains == "head":
+        gains_per_head(norm, n_head)
+    return norm
+
+
+def gains_per_head(norm: nn.Module, n_head: int) -> None:
+    """Give each head its own copy of the norm's gains and shift: a per-feature parameter (head_dim,)
+    becomes (n_head, 1, head_dim), a scalar gain (n_head, 1, 1); both broadcast over (B, n_head, T, head_dim)."""
+    for name in (*GAIN_PARAMS, "bias"):
+        param = getattr(norm, name, None)
+        if isinstance(param, nn.Parameter):
+            size = param.shape[-1] if param.dim() else 1
+            per_head = param.detach().reshape(1, 1, size).expand(n_head, 1, size).clone()
+            setattr(norm, name, nn.Parameter(per_head))
 
 
 class MLP(nn.Module):

@@ -81,6 +81,12 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def z_loss_term(logits: torch.Tensor, coefficient: float) -> torch.Tensor:
+    """The z-loss, coefficient · mean over tokens of (log Z)², Z = Σ exp(logits) the softmax's partition
+    function (PaLM, Chowdhery et al. 2022; Wortsman et al. 2023), in float32."""
+    return coefficient * torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
 def accumulate_gradients(
     model: nn.Module,
     x: torch.Tensor,
@@ -89,21 +95,32 @@ def accumulate_gradients(
     scaler: torch.amp.GradScaler,
     device: torch.device,
     precision: str,
+    z_loss: float = 0.0,
+    terms: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Forward and backward the batch as `grad_accum` equal micro-batches; return the batch's mean loss.
+    """Forward and backward the batch as `grad_accum` equal micro-batches; return the batch's mean loss
+    (the cross-entropy).
 
     Each micro-batch loss is scaled by 1/grad_accum, so the accumulated gradient is
     the full-batch gradient (times the GradScaler's scale under fp16). Under DDP the
     gradients are all-reduced on the last micro-batch only: the others run, forward
-    and backward, inside `no_sync`.
+    and backward, inside `no_sync`. With `z_loss` > 0 the objective adds z_loss_term, and its batch
+    mean goes into `terms['z_loss']`.
     """
     total = torch.zeros((), device=device)
+    z_total = torch.zeros((), device=device)
     for i, (xm, ym) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum))):
         with distributed.grad_sync(model, last=i == grad_accum - 1):
             with autocast(device, precision):
-                loss = loss_fn(model(xm), ym)
-            scaler.scale(loss / grad_accum).backward()
+                logits = model(xm)
+                loss = loss_fn(logits, ym)
+                z = z_loss_term(logits, z_loss) if z_loss else None
+            scaler.scale((loss if z is None else loss + z) / grad_accum).backward()
         total += loss.detach()
+        if z is not None:
+            z_total += z.detach()
+    if terms is not None and z_loss:
+        terms["z_loss"] = z_total / grad_accum
     return total / grad_accum
 
 
@@ -154,8 +171,9 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
             x, y = next_batch()
             for group in state.optimizer.param_groups:
                 group["lr"] = state.lr
-            model = eager if state.watched else fast
-            state.loss = distributed.mean(accumulate_gradients(model, x, y, cfg.grad_accum, state.scaler, device, precision))
+            model, terms = (eager if state.watched else fast), {}
+            state.loss = distributed.mean(accumulate_gradients(model, x, y, cfg.grad_accum, state.scaler, device, precision,
+                                                               cfg.z_loss, terms))
             state.scaler.unscale_(state.optimizer)
             _call(callbacks, "after_backward", state)
             state.grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm)
@@ -168,6 +186,7 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
             logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record or state.watched
             if logged:  # the step's host syncs; other steps keep their figures on the device
                 record.update(loss=state.loss.item(), lr=state.lr, grad_norm=state.grad_norm.item())
+                record.update({key: distributed.mean(term).item() for key, term in terms.items()})
             _call(callbacks, "after_optimizer_step", state, record if logged else None)
             if logged:
                 emit(sinks, record)

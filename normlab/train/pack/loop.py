@@ -20,7 +20,7 @@ from normlab.data import Corpus
 from normlab.nn.packed import PackedAdamW, PackedModel, clip_members
 from normlab.train.callbacks import BatchNormSteps, RunReport, TelemetryProducts, ThroughputClock, progress
 from normlab.train.checkpoint import Checkpoint, Checkpointer
-from normlab.train.loop import HeldOut, loss_fn
+from normlab.train.loop import HeldOut, loss_fn, z_loss_term
 from normlab.train.optim import lr_at
 from normlab.train.pack.checkpoint import OptimizerLayout, Saved, guard_state, member_checkpoint_state, restore_member
 from normlab.train.pack.telemetry import PackedProbe
@@ -128,13 +128,13 @@ class PackLoop:
                 break
             self.clock.on_step_start(clock_state)
             watched = self.probe.active(step)
-            loss, grad_norm = self._train_step(step, next_batches, watched)
+            loss, grad_norm, terms = self._train_step(step, next_batches, watched)
             stats = self.probe.collect() if watched else None
             logged = step % base.log_every == 0 or step == base.max_steps - 1 or evaluated or watched
             timing: dict[str, Any] | None = {} if logged else None
             self.clock.after_optimizer_step(clock_state, timing)
             if logged:
-                self._fill(step, records, loss, grad_norm, stats, timing["tokens_per_s"])
+                self._fill(step, records, (loss, grad_norm, terms), stats, timing["tokens_per_s"])
                 self._diverged_at_log(records)
                 self._emit(records)
             if self.bar is not None:
@@ -155,20 +155,24 @@ class PackLoop:
         if signum is not None:
             raise Preempted(signum, step)
 
-    def _train_step(self, step: int, next_batches, watched: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step of every member, measured by the probe when `watched`; returns their losses and
-        gradient norms (M,), on the device."""
+    def _train_step(self, step: int, next_batches, watched: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """One optimizer step of every member, measured by the probe when `watched`; returns their losses
+        (cross-entropy), gradient norms and the objective's other terms ({'z_loss': ...} under z_loss > 0),
+        each (M,), on the device."""
         base, pack = self.base, self.pack
         lrs = [lr_at(step, c) if m.active else 0.0 for c, m in zip(self.cfgs, self.members)]
         x, y = next_batches()
-        total = torch.zeros(pack.size, device=self.device)
+        total, z_total = torch.zeros(pack.size, device=self.device), torch.zeros(pack.size, device=self.device)
         with self.probe.watch() if watched else contextlib.nullcontext():
             for xm, ym in zip(x.chunk(base.grad_accum, dim=1), y.chunk(base.grad_accum, dim=1)):
                 with autocast(self.device, self.precision):
-                    loss = pack.losses(loss_fn, xm, ym, watcher=self.probe if watched else None)
-                (loss / base.grad_accum).sum().backward()
+                    loss, z = self._member_losses(xm, ym, watched)
+                ((loss if z is None else loss + z) / base.grad_accum).sum().backward()
                 total += loss.detach()
+                if z is not None:
+                    z_total += z.detach()
         loss = total / base.grad_accum
+        terms = {"z_loss": z_total / base.grad_accum} if base.z_loss else {}
         self._observe(step, loss)
         if watched:
             self.probe.measure_gradients()
@@ -188,7 +192,19 @@ class PackLoop:
         for member in self.members:
             if member.active:
                 member.tokens += base.batch_size * base.seq_len
-        return loss, grad_norm
+        return loss, grad_norm, terms
+
+    def _member_losses(self, xm: torch.Tensor, ym: torch.Tensor, watched: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each member's cross-entropy on its micro-batch, and its z-loss term (None under z_loss=0), (M,) each."""
+        watcher = self.probe if watched else None
+        coefficient = self.base.z_loss
+        if not coefficient:
+            return self.pack.losses(loss_fn, xm, ym, watcher=watcher), None
+
+        def objective(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return loss_fn(logits, targets), z_loss_term(logits, coefficient)
+
+        return self.pack.losses(objective, xm, ym, watcher=watcher)
 
     def _observe(self, step: int, loss: torch.Tensor) -> None:
         """train.DivergenceGuard, per member: remember each member's first step with a non-finite loss or
@@ -227,13 +243,17 @@ class PackLoop:
             member.last_val, member.best_val = val, min(member.best_val, val)
             records[i].update(val_loss=val, val_bpb=self.held_out.bits_per_byte(val))
 
-    def _fill(self, step: int, records: dict[int, dict[str, Any]], loss: torch.Tensor, grad_norm: torch.Tensor,
+    def _fill(self, step: int, records: dict[int, dict[str, Any]], measured: tuple[torch.Tensor, torch.Tensor, dict],
               stats: list[dict[str, float]] | None, tokens_per_s: float) -> None:
-        """A logged step's figures, in the order an unpacked record has them: the member's loss, lr and gradient
-        norm, its telemetry, and its own throughput (its tokens over the pack's step time)."""
+        """A logged step's figures, in the order an unpacked record has them: the member's loss, lr, gradient
+        norm and the objective's other terms, its telemetry, and its own throughput (its tokens over the
+        pack's step time). `measured`: _train_step's losses, gradient norms and terms."""
+        loss, grad_norm, terms = measured
         losses, norms = loss.tolist(), grad_norm.tolist()
+        term_values = {key: term.tolist() for key, term in terms.items()}
         for i, record in records.items():
             record.update(loss=losses[i], lr=lr_at(step, self.cfgs[i]), grad_norm=norms[i])
+            record.update({key: values[i] for key, values in term_values.items()})
             record.update(stats[i] if stats is not None else {})
             record["tokens_per_s"] = tokens_per_s
 

@@ -303,3 +303,42 @@ def test_embed_scale_key_reaches_the_model():
     cfg.model.embed_scale = True
     assert GPT(cfg).embed_scale == math.sqrt(cfg.model.d_model)
 
+
+# ---------------------------------------------------------------- shifts a BatchNorm cancels
+
+
+def _float64_gradients(cfg, monkeypatch) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of one training-mode step, computed in float64 throughout (the norms'
+    float32 casts too), with every parameter moved off its init so that a shift that matters shows."""
+    monkeypatch.setattr(torch.Tensor, "float", torch.Tensor.double)
+    torch.manual_seed(0)
+    model = GPT(cfg).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    logits = model(x)
+    nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), x.reshape(-1)).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("placement", ["pre", "post", "sandwich", "reordered", "mix", "lns", "deepnorm"])
+@pytest.mark.parametrize("final_norm", ["auto", True, False])
+def test_batch_norm_arms_build_no_shift_that_a_batch_norm_subtracts_again(placement, final_norm, monkeypatch):
+    """Such a shift's gradient is exactly 0 (rounding noise in float32, which AdamW turns into lr-sized
+    updates): every parameter left has a gradient that is not 0 in exact arithmetic."""
+    cfg = tiny_config("batch", placement, depth=3, mix_p=0.34, final_norm=final_norm, embed_norm=True)
+    grads = _float64_gradients(cfg, monkeypatch)
+    largest = max(g.abs().max().item() for g in grads.values())
+    assert {n for n, g in grads.items() if g.abs().max().item() < 1e-12 * largest} == set()
+    if placement == "pre" and final_norm != False:  # noqa: E712
+        assert "blocks.0.attn.proj.bias" not in grads and "blocks.0.attn.q_bias" in grads
+        assert GPT(tiny_config("layer", placement)).blocks[0].attn.proj.bias is not None  # other norms keep them
+
+
+def test_causal_batch_norm_before_every_reader_of_the_stream_cancels_the_position_embedding(monkeypatch):
+    """The documented limit (docs/norms.md): per-position statistics subtract any per-position constant."""
+    cfg = tiny_config("batch", "pre")
+    cfg.norm.causal = True
+    grads = _float64_gradients(cfg, monkeypatch)
+    assert grads["pos_emb.weight"].abs().max().item() < 1e-12 * grads["tok_emb.weight"].abs().max().item()

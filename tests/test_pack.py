@@ -74,13 +74,13 @@ def train_both(cfgs, tmp_path):
     return summaries
 
 
-# Pre-BN's linear biases feed only BatchNorms, which subtract every constant: the training loss does not
-# depend on them, so their gradient is rounding noise, which Adam scales up to updates. Their values, and
-# with them the eval-mode (running-statistics) loss, then follow the kernels' summation order: an unpacked
-# run with 2 threads instead of 1 moves val_loss by 4e-6, a pack by up to 3e-5. The BatchNorm arms are
-# compared without linear biases, where every key agrees within 1e-5 (see the next test for the biases).
+# BatchNorm arms run the default config: the model builds no shift that a BatchNorm subtracts again (its
+# gradient would be rounding noise, which Adam scales up to updates that follow the kernels' summation order).
+# Post-BN without linear biases: its query biases are nearly cancelled (the next BatchNorm subtracts what
+# passes through attention's values), with gradients ~1e-7 of the largest, and with them
+# grad/norm/L00/norms agrees within 1.1e-5, not 1e-5 (lr 1e-2, step 2).
 ARMS = [("layer", "pre", {}), ("layer", "post", {}), ("rms", "pre", {}), ("rms", "post", {}),
-        ("batch", "pre", {"bias": False}), ("batch", "post", {"bias": False})]
+        ("batch", "pre", {}), ("batch", "post", {"bias": False}), ("batch", "sandwich", {})]
 
 
 @pytest.mark.parametrize("norm,placement,model", ARMS, ids=[f"{n}-{p}" for n, p, _ in ARMS])
@@ -114,20 +114,6 @@ def test_a_member_of_the_new_arms_equals_its_unpacked_run(tmp_path, one_thread):
         assert worst < 1, (cfg.run_name, where)
         assert all(r["z_loss"] > 0 for r in expected if "loss" in r)
         assert summaries[i]["name"] == cfg.run_name == f"rms-lns-qk_all-embnorm-rezero0.1-cap5-z1e-3-d2-lr{('1e-3', '1e-2')[i]}-s0"
-
-
-def test_batchnorm_with_biases_agrees_in_training_and_within_rounding_noise_in_eval(tmp_path, one_thread):
-    cfgs = grid("batch", "pre")
-    for cfg in cfgs:
-        cfg.telemetry.every = 0
-    train_both(cfgs, tmp_path)
-    for i, cfg in enumerate(cfgs):
-        expected, got = rows(tmp_path / f"run{i}"), rows(tmp_path / f"member{i}")
-        worst, where = worst_difference(expected, got, skip=("tokens_per_s", "val_loss", "val_bpb"))
-        assert worst < 1, (cfg.run_name, where)
-        for a, b in zip(expected, got):
-            if "val_loss" in a:
-                assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-4)
 
 
 def test_a_diverged_member_is_recorded_and_frozen_while_the_others_go_on(tmp_path, one_thread):

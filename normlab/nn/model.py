@@ -19,12 +19,12 @@ unused slot holds `nn.Identity`. The model knows nothing of Hydra, wandb or tele
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from normlab.config import PLACEMENT_TRAITS, RunConfig
+from normlab.config import NORM_TRAITS, PLACEMENT_TRAITS, RunConfig
 from normlab.config.validate import AUTO_FINAL_NORM
 from normlab.nn.norms import build_norm
 from normlab.nn.sublayers import MLP, CausalSelfAttention
@@ -113,22 +113,61 @@ def build_gate(cfg: RunConfig) -> nn.Module:
     return ResidualGate(shape, gate_init(cfg))
 
 
+def read_by_batch_norms(cfg: RunConfig, slots: list[Slots]) -> list[bool]:
+    """For the residual stream entering block i (i = depth: leaving the last block), whether a training-mode
+    BatchNorm's mean subtraction stands on every path from it to the loss: so any shift added to it cancels.
+
+    That holds for the stream entering a block that reads it through its pre-slot norms alone, if it holds
+    for the stream leaving that block; the stream leaving the last block, if a final norm reads it.
+    """
+    centered = [NORM_TRAITS[cfg.norm.name].batch_statistics and uses_final_norm(cfg)]
+    for block in reversed(slots):
+        centered.insert(0, block.pre and not block.post and centered[0])
+    return centered
+
+
+def cancelled_shifts(cfg: RunConfig, slots: Slots, centered_after: bool) -> frozenset[str]:
+    """The modules of a block whose shift (a linear layer's bias, a norm's β) a BatchNorm subtracts again.
+
+    A per-feature constant added before a training-mode BatchNorm cancels in its output, so its gradient
+    is zero up to rounding, and AdamW turns that rounding noise into lr-sized updates: such shifts are not
+    built. The sublayers' output shifts (the output projections' biases, and the attention's value and
+    key biases: CausalSelfAttention's `shift_free`) cancel when the sublayer's output reaches the loss only
+    through a BatchNorm: the branch norm, the post norm, or a stream read only by BatchNorms
+    (`centered_after`: the stream leaving this block, see read_by_batch_norms); the branch norms' β when
+    the post norm or such a stream follows; the second post norm's β (its output is the block's) when
+    such a stream follows.
+    """
+    if not NORM_TRAITS[cfg.norm.name].batch_statistics:
+        return frozenset()
+    cancelled = set()
+    if slots.branch or slots.post or centered_after:
+        cancelled |= {"attn", "mlp"}
+    if slots.branch and (slots.post or centered_after):
+        cancelled |= {"norm1_out", "norm2_out"}
+    if slots.post and centered_after:
+        cancelled.add("norm2")
+    return frozenset(cancelled)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: RunConfig, slots: Slots):
+    def __init__(self, cfg: RunConfig, slots: Slots, centered_after: bool = False):
         super().__init__()
         d, positions = cfg.model.d_model, cfg.model.context
         self.slots = slots
+        cancelled = cancelled_shifts(cfg, slots, centered_after)
 
-        def slot_norm(filled: bool, role: str) -> nn.Module:
-            return build_norm(cfg.norm, d, role, positions) if filled else nn.Identity()
+        def slot_norm(name: str, filled: bool, role: str) -> nn.Module:
+            norm_cfg = replace(cfg.norm, bias=False) if name in cancelled else cfg.norm
+            return build_norm(norm_cfg, d, role, positions) if filled else nn.Identity()
 
-        self.norm1 = slot_norm(slots.pre or slots.post, "attn")
-        self.attn = CausalSelfAttention(cfg)
-        self.norm1_out = slot_norm(slots.branch, "attn")
+        self.norm1 = slot_norm("norm1", slots.pre or slots.post, "attn")
+        self.attn = CausalSelfAttention(cfg, shift_free="attn" in cancelled)
+        self.norm1_out = slot_norm("norm1_out", slots.branch, "attn")
         self.gate1 = build_gate(cfg)
-        self.norm2 = slot_norm(slots.pre or slots.post, "mlp")
-        self.mlp = MLP(d, cfg.model.mlp_ratio, cfg.model.bias)
-        self.norm2_out = slot_norm(slots.branch, "mlp")
+        self.norm2 = slot_norm("norm2", slots.pre or slots.post, "mlp")
+        self.mlp = MLP(d, cfg.model.mlp_ratio, cfg.model.bias, shift_free="mlp" in cancelled)
+        self.norm2_out = slot_norm("norm2_out", slots.branch, "mlp")
         self.gate2 = build_gate(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,10 +202,10 @@ class GPT(nn.Module):
         self.embed_scale = math.sqrt(m.d_model) if m.embed_scale else 1.0
         self.tok_emb = nn.Embedding(m.vocab_size, m.d_model)
         self.pos_emb = nn.Embedding(m.context, m.d_model)
-        self.norm_embed = build_norm(cfg.norm, m.d_model, "attn", m.context) if cfg.embed_norm else nn.Identity()
-        self.blocks = nn.ModuleList(
-            Block(cfg, block_slots(cfg.placement, i, cfg.depth, cfg.mix_p)) for i in range(cfg.depth)
-        )
+        slots = [block_slots(cfg.placement, i, cfg.depth, cfg.mix_p) for i in range(cfg.depth)]
+        centered = read_by_batch_norms(cfg, slots)
+        self.norm_embed = build_embed_norm(cfg, shift=not centered[0]) if cfg.embed_norm else nn.Identity()
+        self.blocks = nn.ModuleList(Block(cfg, s, centered[i + 1]) for i, s in enumerate(slots))
         self.norm_f = build_norm(cfg.norm, m.d_model, "final", m.context) if uses_final_norm(cfg) else nn.Identity()
         self.head = nn.Linear(m.d_model, m.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied output head
@@ -187,6 +226,13 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def build_embed_norm(cfg: RunConfig, shift: bool) -> nn.Module:
+    """embed_norm=true's norm on token + position embedding, with DyT's and Derf's attention α₀; without its
+    shift β where a BatchNorm downstream subtracts it again (`shift` False: see cancelled_shifts)."""
+    norm_cfg = cfg.norm if shift else replace(cfg.norm, bias=False)
+    return build_norm(norm_cfg, cfg.model.d_model, "attn", cfg.model.context)
 
 
 def init_weights(model: GPT, scheme: str, depth: int, beta: float = 1.0) -> None:

@@ -13,14 +13,20 @@ from normlab.nn.norms import build_norm
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention."""
+    """Multi-head causal self-attention.
 
-    def __init__(self, cfg: RunConfig):
+    `shift_free` (a BatchNorm subtracts every constant the sublayer adds: normlab.nn.model.cancelled_shifts)
+    builds no bias for the output projection, the values (attention passes their bias through as a
+    constant) and the keys (softmax ignores theirs), whatever model.bias says; the queries keep theirs,
+    as `q_bias`."""
+
+    def __init__(self, cfg: RunConfig, shift_free: bool = False):
         super().__init__()
         d_model, bias = cfg.model.d_model, cfg.model.bias
         self.n_head = cfg.model.n_head
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.proj = nn.Linear(d_model, d_model, bias=bias)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias and not shift_free)
+        self.q_bias = nn.Parameter(torch.zeros(d_model)) if bias and shift_free else None
+        self.proj = nn.Linear(d_model, d_model, bias=bias and not shift_free)
         # QK-norm's modules take q and k in the heads' layout; identities unless enabled, so the module
         # tree never changes.
         self.q_norm = build_qk_norm(cfg)
@@ -31,6 +37,8 @@ class CausalSelfAttention(nn.Module):
         """Queries, keys and values of shape (B, n_head, T, head_dim), after any QK-norm."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
+        if self.q_bias is not None:
+            q = q + self.q_bias
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         return self.q_norm(q), self.k_norm(k), v
 
@@ -88,11 +96,13 @@ def gains_per_head(norm: nn.Module, n_head: int) -> None:
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int, ratio: int, bias: bool):
+    """fc, GELU, proj; `shift_free` as CausalSelfAttention's: no bias for proj."""
+
+    def __init__(self, d_model: int, ratio: int, bias: bool, shift_free: bool = False):
         super().__init__()
         self.fc = nn.Linear(d_model, ratio * d_model, bias=bias)
         self.act = nn.GELU()
-        self.proj = nn.Linear(ratio * d_model, d_model, bias=bias)
+        self.proj = nn.Linear(ratio * d_model, d_model, bias=bias and not shift_free)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))

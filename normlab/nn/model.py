@@ -169,6 +169,7 @@ class Block(nn.Module):
         self.mlp = MLP(d, cfg.model.mlp_ratio, cfg.model.bias, shift_free="mlp" in cancelled)
         self.norm2_out = slot_norm("norm2_out", slots.branch, "mlp")
         self.gate2 = build_gate(cfg)
+        self.gated = cfg.residual_gate != "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Per sublayer f (attention, then MLP), with unfilled slots the identity:
@@ -181,7 +182,9 @@ class Block(nn.Module):
 
     def _sublayer(self, x: torch.Tensor, norm: nn.Module, f: nn.Module, norm_out: nn.Module,
                   gate: nn.Module) -> torch.Tensor:
-        h = gate(norm_out(f(self._pre(norm, x))))
+        h = norm_out(f(self._pre(norm, x)))
+        if self.gated:  # an identity gate is not called: the default block's step costs what it did
+            h = gate(h)
         x = x + h if self.slots.alpha == 1.0 else self.slots.alpha * x + h
         return norm(x) if self.slots.post else x
 
@@ -219,7 +222,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {T} exceeds the model's context {self.context}")
         pos = torch.arange(T, device=idx.device)
         tok = self.tok_emb(idx)
-        x = self.norm_embed((tok if self.embed_scale == 1.0 else tok * self.embed_scale) + self.pos_emb(pos))
+        x = (tok if self.embed_scale == 1.0 else tok * self.embed_scale) + self.pos_emb(pos)
+        if not isinstance(self.norm_embed, nn.Identity):
+            x = self.norm_embed(x)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm_f(x))

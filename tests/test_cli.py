@@ -129,7 +129,7 @@ def test_hub_dataset_without_network_fails_fast_with_one_line(tmp_path):
 
 HELP_LINES = {
     "--help": ["usage: normlab"],
-    "train": ["normlab", "norm: batch, batch_causal, dyt, l2, layer, layer_nobias, layer_noweight, none, rms, rms_noweight, scale",
+    "train": ["normlab", "norm: batch, batch_causal, derf, dyt, l2, layer, layer_nobias, layer_noweight, none, rms, rms_noweight, scale",
               "model: medium, small, tiny", "data: hf, stdlib, text"],
 }
 

@@ -80,7 +80,8 @@ def train_both(cfgs, tmp_path):
 # passes through attention's values), with gradients ~1e-7 of the largest, and with them
 # grad/norm/L00/norms agrees within 1.1e-5, not 1e-5 (lr 1e-2, step 2).
 ARMS = [("layer", "pre", {}), ("layer", "post", {}), ("rms", "pre", {}), ("rms", "post", {}),
-        ("batch", "pre", {}), ("batch", "post", {"bias": False}), ("batch", "sandwich", {})]
+        ("batch", "pre", {}), ("batch", "post", {"bias": False}), ("batch", "sandwich", {}),
+        ("derf", "pre", {})]  # scalar α and s: a member's parameters of shape (M,)
 
 
 @pytest.mark.parametrize("norm,placement,model", ARMS, ids=[f"{n}-{p}" for n, p, _ in ARMS])

@@ -157,7 +157,8 @@ class PackedProbe(Probe):
         for loc, norm in self._norms.items():
             owner = prefix[id(norm)]
             for name, _ in norm.named_parameters(recurse=False):
-                gain = params[f"{owner}.{name}"].detach().float().flatten(1)
+                stacked = params[f"{owner}.{name}"].detach().float()
+                gain = stacked.reshape(stacked.shape[0], -1)  # not flatten(1): a scalar (DyT's α) stacks to (M,)
                 if name in GAIN_PARAMS:
                     self._scalars[f"norm/gain_mean/{loc}"] = gain.mean(1)
                     self._scalars[f"norm/gain_std/{loc}"] = gain.std(1, correction=0)

@@ -38,8 +38,10 @@ def test_a_run_with_no_sinks_still_leaves_config_and_summary(tmp_path):
 
 
 def test_the_csv_sink_writes_the_run_level_columns_of_every_record(tmp_path):
-    train(_cfg(["jsonl", "csv"]), tmp_path)
+    train(_cfg(["jsonl", "csv"], z_loss=1e-3), tmp_path)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    scalars = {k for r in records for k, v in r.items() if "/" not in k and isinstance(v, (int, float, str))}
+    assert scalars <= set(MetricsCsv.COLUMNS)  # every run-level key a record holds (z_loss too) is a column
     rows = _csv_rows(tmp_path / "metrics.csv")
     assert list(rows[0]) == list(MetricsCsv.COLUMNS)
     assert [int(r["step"]) for r in rows] == [r["step"] for r in records] == [0, 2, 3, 4, 5, 6]

@@ -16,7 +16,7 @@ class MetricsCsv(Sink):
     """metrics.csv: one row per record with the run-level scalars (COLUMNS): every key the training loop
     writes into a record; the telemetry's keys (act/..., grad/..., attn/...) stay in metrics.jsonl."""
 
-    COLUMNS = ("step", "tokens", "loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s", "status")
+    COLUMNS = ("step", "tokens", "loss", "z_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s", "status")
 
     def __init__(self, path: Path, start_step: int | None = None):
         kept = _rows_before(path, start_step) if start_step is not None else []

@@ -5,6 +5,7 @@ checkpoint components, the sweep's summaries), so a change to normlab that break
 here. Each test asserts the script's table holds computed figures, not only that it exited 0.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -240,3 +241,46 @@ def test_zhu2025_cpu_compares_dyt_at_its_alpha_with_layernorm_and_rmsnorm(tmp_pa
     assert row(alphas, "MLP", 1)[0] == pytest.approx(0.2, abs=0.01)
     assert row(alphas, "final", 1)[0] == pytest.approx(0.2, abs=0.01)
     assert (tmp_path / "docs" / "zhu2025_cpu_lr.png").read_bytes()[:8] == PNG
+
+
+# ------------------------------------------------ the depth reproduction's script, on run dirs written by hand
+
+
+def write_run(sweep: Path, name: str, placement: str, lr: float, seed: int, loss: float, telemetry: dict) -> None:
+    """A run dir as train() leaves it: config.json, summary.json and metrics.jsonl with `telemetry`,
+    {step: {stat: [value per block]}}, as per-layer keys (act/block_angle/L00, ...)."""
+    run = sweep / name
+    run.mkdir(parents=True)
+    config = {"norm": {"name": "layer"}, "placement": placement, "lr": lr, "seed": seed, "depth": 3}
+    (run / "config.json").write_text(json.dumps(config))
+    summary = {**config, "norm": "layer", "status": "completed", "final_val_loss": loss}
+    (run / "summary.json").write_text(json.dumps(summary))
+    rows = []
+    for step, stats in telemetry.items():
+        layers = {f"{stat}/L{i:02d}": v for stat, values in stats.items() for i, v in enumerate(values)}
+        rows.append({"step": step, "loss": loss, **layers})
+    rows[-1]["val_loss"] = loss
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_depth_block_angle_tables_each_placement_at_its_best_lr_and_draws_both_panels(tmp_path):
+    sweep = tmp_path / "sweep"
+    angle, ratio, rms = "act/block_angle", "act/max_median", "act/resid_rms"
+    init = {angle: [60, 50, 40], ratio: [3, 4, 5], rms: [0.1, 0.2, 0.3]}
+    end = lambda angles, ratios, rmss: {0: init, 9: {angle: angles, ratio: ratios, rms: rmss}}  # noqa: E731
+    write_run(sweep, "0_pre_s0", "pre", 3e-3, 0, 2.5, end([40, 20, 10], [10, 30, 20], [1, 2, 4]))
+    write_run(sweep, "1_pre_s1", "pre", 3e-3, 1, 2.7, end([50, 30, 20], [10, 50, 20], [1, 2, 6]))
+    write_run(sweep, "2_pre_hi", "pre", 1e-2, 0, 3.0, end([1, 1, 1], [99, 99, 99], [9, 9, 9]))
+    for seed in (0, 1):
+        write_run(sweep, f"3_lns_s{seed}", "lns", 3e-3, seed, 2.4, end([30, 30, 30], [8, 6, 7], [1, 1, 1]))
+    out = script("depth_block_angle.py", str(sweep), "--figure", str(tmp_path / "angle.png"), cwd=tmp_path)
+    table = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ") for line in out.splitlines()[:4]}
+    # pre at lr 3e-3 (mean 2.6), not at 1e-2 (3.0); its end figures are the two seeds' means, per block.
+    assert table["pre (Pre-LN)"] == ["pre (Pre-LN)", "3e-3", "2", "2.600 ± 0.141", "45.0 / 15.0", "5 (block 3)",
+                                     "40 (block 2)", "5"]  # fmt: skip
+    assert table["lns (LayerNorm Scaling)"][1:] == ["3e-3", "2", "2.400 ± 0.000", "30.0 / 30.0", "5 (block 3)",
+                                                   "8 (block 1)", "1"]  # fmt: skip
+    at_init, at_end = out.split("block angle (°) per block at ")[1:]
+    assert "| pre (Pre-LN) | 60 | 50 | 40 |" in at_init and "(telemetry step: pre 0; lns 0)" in at_init
+    assert "| pre (Pre-LN) | 45 | 25 | 15 |" in at_end and "(telemetry step: pre 9; lns 9)" in at_end
+    assert (tmp_path / "angle.png").read_bytes()[:8] == PNG

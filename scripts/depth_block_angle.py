@@ -23,7 +23,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from normlab.analysis import Run, load_runs, mean_std, order_key
+from normlab.analysis import CompareError, Run, load_runs, mean_std, order_key
 from normlab.config import PLACEMENTS, format_lr
 
 BLOCK_ANGLE = "act/block_angle"
@@ -187,14 +187,19 @@ def draw(arms: list[Arm], figure: Path, title: str) -> None:
     print(f"\nfigure: {figure}")
 
 
-def report(arms: list[Arm]) -> None:
+def report(arms: list[Arm]) -> bool:
+    """Print the tables; False (and one line saying so) if no run logged the block angle."""
     print("\n".join(summary_table(arms)))
+    if not any(arm.profile(BLOCK_ANGLE, "last") for arm in arms):
+        print(f"\nno {BLOCK_ANGLE} in these runs (telemetry.every=0, or a normlab that does not log it): no figure")
+        return False
     for which, name in (("first", "initialization"), ("last", "the end")):
         steps = "; ".join(f"{arm.placement} {telemetry_steps(arm, which)}" for arm in arms)
         print(f"\nblock angle (°) per block at {name} (telemetry step: {steps}), mean over seeds:\n")
         print("\n".join(layer_table(arms, BLOCK_ANGLE, which)))
     print("\nmax/median of the stream after each block at the end, mean over seeds:\n")
     print("\n".join(layer_table(arms, MAX_MEDIAN, "last")))
+    return True
 
 
 def main() -> None:
@@ -203,11 +208,13 @@ def main() -> None:
     parser.add_argument("--figure", type=Path, help="the PNG to draw: block angle per block, at init and at the end")
     parser.add_argument("--title", default="Block angle per block, one line per placement (mean over seeds)")
     args = parser.parse_args()
-    arms = arms_at_best_lr(load_runs(*args.sweeps))
+    try:
+        arms = arms_at_best_lr(load_runs(*args.sweeps))
+    except CompareError as err:
+        raise SystemExit(f"depth_block_angle: {err}") from None
     if not arms:
         raise SystemExit(f"depth_block_angle: no run dirs under {' '.join(args.sweeps)}")
-    report(arms)
-    if args.figure is not None:
+    if report(arms) and args.figure is not None:
         draw(arms, args.figure, args.title)
 
 

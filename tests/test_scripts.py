@@ -284,3 +284,11 @@ def test_depth_block_angle_tables_each_placement_at_its_best_lr_and_draws_both_p
     assert "| pre (Pre-LN) | 60 | 50 | 40 |" in at_init and "(telemetry step: pre 0; lns 0)" in at_init
     assert "| pre (Pre-LN) | 45 | 25 | 15 |" in at_end and "(telemetry step: pre 9; lns 9)" in at_end
     assert (tmp_path / "angle.png").read_bytes()[:8] == PNG
+
+
+def test_depth_block_angle_says_in_one_line_when_no_run_logged_the_block_angle(tmp_path):
+    sweep = tmp_path / "sweep"
+    write_run(sweep, "0_pre", "pre", 3e-3, 0, 2.5, {0: {"act/resid_rms": [1, 2]}, 9: {"act/resid_rms": [1, 3]}})
+    out = script("depth_block_angle.py", str(sweep), "--figure", str(tmp_path / "angle.png"), cwd=tmp_path)
+    assert out.splitlines()[2] == "| pre (Pre-LN) | 3e-3 | 1 | 2.500 | — | — | — | 3 |"
+    assert out.splitlines()[-1].startswith("no act/block_angle in these runs") and not (tmp_path / "angle.png").exists()

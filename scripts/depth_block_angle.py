@@ -29,6 +29,8 @@ from normlab.config import PLACEMENTS, format_lr
 BLOCK_ANGLE = "act/block_angle"
 MAX_MEDIAN = "act/max_median"
 RESID_RMS = "act/resid_rms"
+# The order of the table's rows and the figure's lines: Pre-LN first, then the arms that change it, Post-LN last.
+ORDER = ("pre", "lns", "sandwich", "reordered", "post")
 # What each placement is called in the papers the reproduction is about.
 PAPER_NAMES = {"pre": "Pre-LN", "post": "Post-LN", "sandwich": "Peri-LN", "reordered": "OLMo 2",
                "lns": "LayerNorm Scaling"}  # fmt: skip
@@ -80,7 +82,8 @@ def arms_at_best_lr(runs: list[Run]) -> list[Arm]:
         held = best.get(arm.placement)
         if held is None or (math.isfinite(arm.mean_loss) and not arm.mean_loss >= held.mean_loss):
             best[arm.placement] = arm
-    return sorted(best.values(), key=lambda a: order_key(a.placement, PLACEMENTS))
+    known = (*ORDER, *(p for p in PLACEMENTS if p not in ORDER))
+    return sorted(best.values(), key=lambda a: order_key(a.placement, known))
 
 
 def number(value: float, digits: int = 3) -> str:
@@ -157,28 +160,37 @@ def pyplot():
     return plt
 
 
+ANGLE_TICKS = (0.1, 0.3, 1, 3, 10, 30, 90)  # degrees, on the log scale of the figure
+
+
 def draw(arms: list[Arm], figure: Path, title: str) -> None:
-    """Block angle against block index, one line per placement (mean over seeds, band min to max), at init and
-    at the end."""
+    """Block angle against block index on a log scale (a deep block near the identity sits a few degrees above 0),
+    one line per placement (mean over seeds, band min to max), at init and at the end."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator  # with pyplot: only for --figure
+
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), sharey=True)
+    colors = {arm.placement: f"C{i}" for i, arm in enumerate(arms)}  # one colour per placement in both panels
     for ax, which, name in zip(axes, ("first", "last"), ("at initialization (step 0)", "at the end (last step)")):
         for arm in arms:
             profile = arm.profile(BLOCK_ANGLE, which)
-            if not profile:
-                continue
             blocks = [layer + 1 for layer in profile]
-            (line,) = ax.plot(blocks, [statistics.fmean(v) for v in profile.values()], "o-", linewidth=1.5,
-                              markersize=3.5, label=f"{arm.label}, lr {format_lr(arm.lr)}")  # fmt: skip
+            ax.plot(blocks, [statistics.fmean(v) for v in profile.values()], "o-", color=colors[arm.placement],
+                    linewidth=1.5, markersize=3.5, label=f"{arm.label}, lr {format_lr(arm.lr)}")  # fmt: skip
             ax.fill_between(blocks, [min(v) for v in profile.values()], [max(v) for v in profile.values()],
-                            color=line.get_color(), alpha=0.15, linewidth=0)  # fmt: skip
+                            color=colors[arm.placement], alpha=0.15, linewidth=0)  # fmt: skip
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("block (1 = first)")
+        ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.set_xticks(sorted({layer + 1 for arm in arms for layer in arm.profile(BLOCK_ANGLE, which)}))
-    axes[0].set_ylabel("angle between block input and output (°)")
-    axes[0].set_ylim(bottom=0)
-    axes[1].legend(fontsize=8, loc="best")
+    axes[0].yaxis.set_major_locator(FixedLocator(ANGLE_TICKS))
+    axes[0].yaxis.set_minor_locator(NullLocator())
+    axes[0].yaxis.set_minor_formatter(NullFormatter())
+    axes[0].set_yticklabels([f"{t:g}" for t in ANGLE_TICKS])
+    axes[0].set_ylabel("angle between the block's input and output (°)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(arms), 3), fontsize=8, frameon=False)
     fig.suptitle(textwrap.fill(title, 100), fontsize=10)
     fig.set_layout_engine("constrained")
     figure.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ from omegaconf import OmegaConf, open_dict
 from normlab.launch.prechecks import check_jobs, sweep_jobs
 from normlab.launch.resolvers import register_resolvers
 from normlab.config import RunConfig
+from normlab.config.packing import pack_groups
 
 
 def _preset_jobs(name: str, *overrides: str) -> tuple[dict, list[RunConfig]]:
@@ -111,6 +112,7 @@ def test_zhu2025_is_dyt_with_its_stated_alpha_and_the_baselines_validate():
     ("xiong2020_warmup", "xiong2020_warmup_cpu", {"optim.warmup_steps": "0,50,400", "lr": "0.001"}, ()),
     ("zhu2025", "zhu2025_cpu", {"seed": "0"}, ()),
     ("zhu2025_norms", "zhu2025_norms_cpu", {"seed": "0"}, ()),
+    ("depth_gpu", "depth_cpu", {"lr": "0.003", "seed": "0,1"}, ()),
 ])  # fmt: skip
 def test_a_cpu_preset_is_its_gpu_preset_with_only_the_size_and_its_stated_axes_changed(gpu, cpu, axes, fewer):
     gpu_params, gpu_jobs = _preset_jobs(gpu, *fewer)  # `fewer`: a corner of a large grid, to keep the test fast
@@ -138,3 +140,34 @@ def test_cpu_presets_keep_the_gpu_presets_head_size_and_warmup_fraction():
     assert {(j.norm.alpha_attn, j.norm.alpha_mlp, j.norm.alpha_final) for j in zhu} == {(0.8, 0.2, 0.2)}
     grid = lambda jobs: {(j.lr, j.seed, j.max_steps, j.model.d_model, j.depth, j.init) for j in jobs}  # noqa: E731
     assert grid(zhu) == grid(norms) and {j.lr for j in zhu} == {3e-4, 1e-3, 3e-3}
+
+
+# ---------------------------------------------------------------- the depth reproduction (Curse of Depth, Peri-LN)
+
+DEPTH_PLACEMENTS = ("pre", "lns", "sandwich", "reordered", "post")
+
+
+def test_depth_gpu_is_five_layernorm_placements_at_depth_24_over_three_lrs_and_three_seeds():
+    params, jobs = _preset_jobs("depth_gpu", "seed=0")  # one seed of three, to keep the test fast
+    assert params == {"norm": "layer", "placement": ",".join(DEPTH_PLACEMENTS), "lr": "3e-4,1e-3,3e-3",
+                      "seed": "0,1,2"}
+    assert {(j.placement, j.lr) for j in jobs} == {(p, lr) for p in DEPTH_PLACEMENTS for lr in (3e-4, 1e-3, 3e-3)}
+    for job in jobs:
+        assert (job.norm.name, job.depth, job.model.d_model, job.model.n_head, job.seq_len) == ("layer", 24, 256, 8, 256)
+        assert job.max_steps == 5000 and job.optim.warmup_steps == 500
+        assert job.telemetry.every > 0 and job.max_steps % job.telemetry.every == 0
+
+
+def test_depth_cpu_is_the_five_placements_at_depth_12_with_two_seeds_packed_per_placement():
+    params, jobs = _preset_jobs("depth_cpu")
+    assert params == {"norm": "layer", "placement": ",".join(DEPTH_PLACEMENTS), "lr": "0.003", "seed": "0,1"}
+    assert sorted((j.placement, j.seed) for j in jobs) == sorted((p, s) for p in DEPTH_PLACEMENTS for s in (0, 1))
+    for job in jobs:
+        assert (job.norm.name, job.depth, job.model.d_model, job.model.n_head, job.lr) == ("layer", 12, 64, 2, 3e-3)
+        assert job.max_steps == 300 and job.optim.warmup_steps == 30 and job.pack
+        # Telemetry is recorded at step 0 and at the last step whenever it is on: the figure's two panels.
+        assert 0 < job.telemetry.every <= job.max_steps
+    # One pack per placement, of its two seeds.
+    packs = [sorted((jobs[i].placement, jobs[i].seed) for i in group) for group in pack_groups(jobs)]
+    assert sorted(packs) == sorted([(p, 0), (p, 1)] for p in DEPTH_PLACEMENTS)
+    check_jobs(["experiment=depth_cpu"], [], multirun=True)

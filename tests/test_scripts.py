@@ -54,7 +54,8 @@ def test_bench_compares_normlab_with_the_reference_loop(tmp_path):
     ref_ms, ref_tokens = row(out, "ref fp32", 2)
     ms, tokens, _, _, _, vs_ref = row(out, "normlab fp32", 6)
     assert ref_ms > 0 and ms > 0
-    assert tokens == pytest.approx(4 * 16 / (ms / 1e3), rel=0.01)  # tokens/s is the step time's inverse
+    # tokens/s is the step time's inverse, to within the step time's printed rounding (0.05 ms of a few ms)
+    assert tokens == pytest.approx(4 * 16 / (ms / 1e3), rel=0.01 + 0.05 / ms)
     assert vs_ref == pytest.approx(ref_ms / ms, rel=0.05)
     (save_us,) = row(out, "checkpoint save / ckpt.every=100", 1)
     assert save_us > 0

@@ -86,17 +86,10 @@ def sample_text(path: str, prompt: str, n_tokens: int, temperature: float, top_k
 
 def saved_config(payload: Mapping[str, Any]):
     """The RunConfig a checkpoint was written with (its `config` holds the flattened dotted keys)."""
-    from normlab.config import ConfigError, RunConfig
+    from normlab.config import ConfigError, RunConfig, nest_config
 
-    tree: dict[str, Any] = {}
-    for dotted, value in payload["config"].items():
-        *parents, leaf = dotted.split(".")
-        node = tree
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
     try:
-        return RunConfig.from_dict(tree, validate=False)
+        return RunConfig.from_dict(nest_config(payload["config"]), validate=False)
     except ConfigError as err:
         raise SampleError(f"the checkpoint's config does not fit this normlab: {err}") from None
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from startup import ENV, normlab_command
 
 from normlab import keys
-from normlab.config import RunConfig
+from normlab.config import RunConfig, nest_config
 
 GRID = "norm=none,layer,rms,batch,dyt placement=pre,post lr=1e-3,3e-3,1e-2,3e-2,1e-1 seed=0,1,2"
 BASE_LOSS = {"none": 2.2, "layer": 1.9, "rms": 1.88, "batch": 2.05, "dyt": 1.95}
@@ -107,21 +107,12 @@ def rows_of(job: dict, final: float | None, steps: int, log_every: int, depth: i
     return rows
 
 
-def with_dotted(tree: dict, settings: dict) -> dict:
-    for key, value in settings.items():
-        *parents, leaf = key.split(".")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
-
 
 def write_run(path: Path, job: dict, steps: int, log_every: int, depth: int, rng: random.Random) -> None:
     """One run dir: config.json (the whole RunConfig tree), metrics.jsonl and summary.json."""
     settings = {("norm.name" if k == "norm" else k): v for k, v in job.items()}
     settings = {"depth": depth, "max_steps": steps, "log_every": log_every, "eval_every": steps // 5, **settings}
-    config = with_dotted(RunConfig().to_dict(), settings)
+    config = nest_config(settings, into=RunConfig().to_dict())
     final = final_loss(job, rng)
     rows = rows_of(job, final, steps, log_every, int(config["depth"]), rng)
     path.mkdir(parents=True)

@@ -15,7 +15,7 @@ import yaml
 from normlab import cli
 from normlab.analysis import CompareError, build_comparison, find_run_dirs, load_run, load_runs, lr_sensitivity
 from normlab.analysis.compare import compare
-from normlab.config import RunConfig, format_lr
+from normlab.config import RunConfig, format_lr, nest_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = ("loss_train.png", "loss_val.png", "final_val_loss_vs_lr.png", "layers_grad_norm.png", "layers_resid_rms.png")
@@ -99,22 +99,12 @@ def write_run(
         "max_steps": max_steps, "progress": False, "wandb.mode": "offline", **(extra_config or {}),
     }  # fmt: skip
     if config == "json":
-        (path / "config.json").write_text(json.dumps(with_dotted(RunConfig().to_dict(), settings), indent=2))
+        (path / "config.json").write_text(json.dumps(nest_config(settings, into=RunConfig().to_dict()), indent=2))
     elif config == "hydra":
         (path / ".hydra").mkdir()
-        (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(with_dotted({}, settings)))
+        (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(nest_config(settings, into={})))
     return path
 
-
-def with_dotted(tree: dict, settings: dict) -> dict:
-    """`tree` with each dotted key of `settings` set, nested dicts made as needed."""
-    for key, value in settings.items():
-        *parents, leaf = key.split(".")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
 
 
 def table(report: str, heading: str) -> list[dict[str, str]]:

@@ -15,9 +15,9 @@ from normlab import cli
 from normlab.analysis import build_comparison, find_run_dirs, load_run
 from normlab.analysis.compare import compare
 from normlab.analysis.stability import SPIKE_WINDOW, run_stability, spike_steps
-from normlab.config import RunConfig
+from normlab.config import RunConfig, nest_config
 from normlab.train.sinks import MetricsCsv
-from test_compare import PNG_MAGIC, table, with_dotted, write_run
+from test_compare import PNG_MAGIC, table, write_run
 
 ENV = {"python": "3.11.7", "torch": "2.13.0", "cuda": None, "device": "cpu", "torch_threads": 2, "world_size": 1,
        "normlab": "0.1.0", "git_commit": None}  # fmt: skip
@@ -44,7 +44,7 @@ def to_csv_only(run_dir: Path) -> Path:
 def not_started(run_dir: Path, error: str, **settings) -> Path:
     """A run that failed before its first step: config.json and a failed summary.json, no metrics."""
     run_dir.mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps(with_dotted(RunConfig().to_dict(), settings)))
+    (run_dir / "config.json").write_text(json.dumps(nest_config(settings, into=RunConfig().to_dict())))
     (run_dir / "summary.json").write_text(json.dumps({"status": "failed", "error": error, "steps": 0}))
     return run_dir
 

@@ -12,7 +12,7 @@ torch. The modules, one concept each:
 """
 
 from normlab.config.errors import ConfigError
-from normlab.config.parse import flatten_config, format_lr
+from normlab.config.parse import flatten_config, format_lr, nest_config
 from normlab.config.registry import (
     ALPHA_PARAMS,
     GAIN_PARAMS,
@@ -71,6 +71,7 @@ __all__ = [
     "check_norm_knob",
     "flatten_config",
     "format_lr",
+    "nest_config",
     "norm_traits",
     "schema_keys",
     "suggest_key",

@@ -114,6 +114,18 @@ def flatten_config(cfg: Any) -> dict[str, Any]:
     return flat
 
 
+def nest_config(flat: Mapping[str, Any], into: dict | None = None) -> dict:
+    """flatten_config's inverse: dotted keys as a nested mapping, set into `into` (a new dict by default)."""
+    tree = {} if into is None else into
+    for dotted, value in flat.items():
+        *parents, leaf = dotted.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return tree
+
+
 def format_lr(lr: float) -> str:
     """A compact learning-rate label for run names: 0.001 -> '1e-3', 0.0025 -> '2.5e-3'."""
     mantissa, exponent = f"{float(lr):.6e}".split("e")

@@ -1,0 +1,360 @@
+"""The stages of scripts/gpu_acceptance.py: what each measures, its figures, targets and budgets.
+
+Each stage runs in a process of its own (gpu_acceptance.py starts it) and reports its figures one by one
+through `Context.report`, which rewrites the stage's result file at once, so a stage cut off at its budget
+keeps the figures it reached. On one CUDA GPU a stage measures at the issue's sizes; with `smoke` it runs
+the same code at a tiny size on the CPU (bf16 where the CPU has native bf16, else fp32; no CUDA graphs).
+Ratios are measured beside their reference in the same process or the same stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "python scripts/gpu_acceptance.py"
+# Keys of metrics.jsonl rows and summary.json that are times, not results: they differ between any two runs.
+TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step")
+# What --smoke changes in a `normlab train` command: a 2-block, 32-wide model, 4 × 16 tokens, a few steps, the CPU.
+SMOKE_RUN = {"model": "tiny", "batch_size": "4", "seq_len": "16", "eval_batches": "1", "max_steps": "4",
+             "device": "cpu"}
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    unit: str
+    target: str | None  # "<op> <number or true>" on one H100, e.g. ">= 1.0"; None: reported, no target
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    figures: tuple[Figure, ...]
+    budget_s: float  # wall-clock seconds on one H100 (the default run's budgets sum to 9 minutes)
+    smoke_budget_s: float  # on the 2-core CPU, tiny sizes
+    run: Callable[["Context"], None]
+    what: str
+
+
+class Context:
+    """What a stage sees: smoke or not, its device and precision, a scratch dir, and `report`."""
+
+    def __init__(self, smoke: bool, result_path: Path, workdir: Path):
+        import torch
+
+        self.smoke, self.result_path, self.workdir = smoke, result_path, workdir
+        self.device = torch.device("cpu" if smoke else "cuda")
+        if smoke:  # tiny steps gain nothing from a second thread, and on a shared CPU extra threads oversubscribe it
+            torch.set_num_threads(1)
+        self.precision = "bf16" if not smoke or cpu_has_bf16() else "fp32"
+        self.results: dict[str, dict[str, Any]] = {}
+
+    def report(self, name: str, value: Any, detail: str, reference: str | None = None, command: str | None = None,
+               ok: bool = True) -> None:
+        """One figure measured; `ok=False` marks it not met whatever its value (e.g. its losses differ)."""
+        from normlab.util.files import write_json_atomic
+
+        self.results[name] = {"value": value, "detail": detail, "reference": reference, "command": command, "ok": ok}
+        write_json_atomic(self.result_path, self.results)
+        print(f"gpu_acceptance: {name} = {value}  ({detail})", flush=True)
+
+    def run_overrides(self, keys: dict[str, Any], smoke: dict[str, Any] | None = None) -> list[str]:
+        """`normlab train` overrides: `keys` on a GPU; with smoke, SMOKE_RUN's tiny size on the CPU in place of
+        `keys`' size, then `smoke`'s keys."""
+        if self.smoke:
+            keys = {**SMOKE_RUN, **{k: v for k, v in keys.items() if k not in SMOKE_RUN}, **(smoke or {})}
+        return [f"{k}={v}" for k, v in keys.items()]
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has native bf16 arithmetic (oneDNN's check: AVX-512 BF16 or AMX)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# ----------------------------------------------------------------------------- timing normlab beside the reference
+
+
+def step_medians(ctx: Context, shape: str, names: list[str], every: int, windows: int, rounds: int) -> tuple[dict, Any]:
+    """Median seconds per step of each bench_gpu variant (`ref eager`, `normlab compile telemetry/10`, ...),
+    interleaved round after round in this process, and the config of the last."""
+    import bench_gpu
+
+    args = SimpleNamespace(precision=ctx.precision, every=every, windows=windows)
+    overrides = [*bench_gpu.SHAPES["tiny" if ctx.smoke else shape], *(["batch_size=8"] if ctx.smoke else [])]
+    steps: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            out = bench_gpu.run_variant(name, overrides, args, ctx.device)
+            steps[name] += out["step_s"]
+    return {name: statistics.median(s) for name, s in steps.items()}, out["cfg"]
+
+
+def shape_text(ctx: Context, cfg) -> str:
+    return (f"{'smoke, CPU: ' if ctx.smoke else ''}{cfg.depth}×{cfg.model.d_model}, T {cfg.seq_len}, B {cfg.batch_size}, "
+            f"{cfg.precision}")
+
+
+def gpt2(ctx: Context) -> None:
+    """GPT-2 small's shape: normlab's tokens/s over the hand-written reference's, eager and compiled; MFU."""
+    import torch
+
+    import bench
+    from normlab.nn.flops import model_flops_per_token
+
+    peak = bench.peak_matmul_flops(torch.bfloat16 if ctx.precision == "bf16" else torch.float32, ctx.device,
+                                   256 if ctx.smoke else 8192)
+    every, windows = (2, 2) if ctx.smoke else (10, 3)
+    for capture in ("eager", "compile"):
+        step, cfg = step_medians(ctx, "gpt2", [f"ref {capture}", f"normlab {capture}"], every, windows, 1)
+        ref, ours = (cfg.batch_size * cfg.seq_len / step[f"{loop} {capture}"] for loop in ("ref", "normlab"))
+        command = f"{SCRIPT} --stage gpt2  (python scripts/bench_gpu.py --shapes gpt2 --only 'ref {capture},normlab {capture}')"
+        ctx.report(f"gpt2_{capture}_vs_ref", round(ours / ref, 4),
+                   f"{shape_text(ctx, cfg)}: normlab {ours:.0f} tokens/s, reference {ref:.0f}; {windows} windows "
+                   f"of {every} steps after a warm-up window", f"hand-written GPT of scripts/bench.py, {capture}: "
+                   f"{ref:.0f} tokens/s", command)
+    mfu = ours * model_flops_per_token(cfg) / peak
+    ctx.report("gpt2_compile_mfu", round(100 * mfu, 2), f"normlab compiled, {ours:.0f} tokens/s × "
+               f"{model_flops_per_token(cfg) / 1e9:.3f} GFLOP/token over the measured {ctx.precision} matmul peak",
+               f"matmul peak measured here: {peak / 1e12:.2f} TFLOP/s", command)
+
+
+def medium_graphs(ctx: Context) -> None:
+    """The medium preset with compile=true compile_mode=reduce-overhead, beside a CUDA-graph reference loop."""
+    capture = "compile" if ctx.smoke else "cudagraph"  # the CPU has no CUDA graphs: compile alone
+    every, windows, rounds = (2, 2, 1) if ctx.smoke else (10, 5, 2)
+    step, cfg = step_medians(ctx, "medium", [f"ref {capture}", f"normlab {capture}"], every, windows, rounds)
+    ref, ours = (cfg.batch_size * cfg.seq_len / step[f"{loop} {capture}"] for loop in ("ref", "normlab"))
+    command = (f"{SCRIPT} --stage medium_graphs  (normlab train model=medium compile=true "
+               f"compile_mode={'default' if ctx.smoke else 'reduce-overhead'})")
+    detail = f"{shape_text(ctx, cfg)}, {capture}" + ("; smoke: compile_mode=default, no CUDA graphs" if ctx.smoke else "")
+    ctx.report("medium_graphs_tokens_per_s", round(ours), detail, None, command)
+    ctx.report("medium_graphs_vs_ref", round(ours / ref, 4), f"{detail}: normlab {ours:.0f} tokens/s, reference {ref:.0f}",
+               f"hand-written GPT of scripts/bench.py, {capture}: {ref:.0f} tokens/s", command)
+
+
+def telemetry(ctx: Context) -> None:
+    """Step time with telemetry at its default interval over the step time without, minus 1, eager and compiled."""
+    from normlab.config import TelemetryConfig
+
+    every = TelemetryConfig().every
+    windows, rounds = (1, 1) if ctx.smoke else (4, 2)
+    for capture in ("eager", "compile"):
+        names = [f"normlab {capture}", f"normlab {capture} telemetry/{every}"]
+        step, cfg = step_medians(ctx, "medium", names, every, windows, rounds)
+        off, on = step[names[0]], step[names[1]]
+        ctx.report(f"telemetry_overhead_{capture}", round(100 * (on / off - 1), 2),
+                   f"{shape_text(ctx, cfg)}: {1e3 * on:.2f} ms/step with telemetry every {every} steps, {1e3 * off:.2f} "
+                   f"without; windows of {every} steps (one telemetry step each), {rounds} interleaved rounds",
+                   f"the same run without telemetry: {1e3 * off:.2f} ms/step",
+                   f"{SCRIPT} --stage telemetry  (python scripts/bench_gpu.py --shapes medium --every {every})")
+
+
+# ----------------------------------------------------------------------------- the command line: sweeps and runs
+
+
+def normlab_env(ctx: Context) -> dict[str, str]:
+    from startup import ENV
+
+    return {**ENV, "OMP_NUM_THREADS": "1"} if ctx.smoke else dict(ENV)  # one thread: bit-exact CPU reductions
+
+
+def runs_by_name(sweep_dir: Path) -> dict[str, list[dict]]:
+    """Each job's metrics.jsonl rows, by its run name (summary.json's), under a sweep dir."""
+    out = {}
+    for summary in sweep_dir.rglob("summary.json"):
+        if "wandb" not in summary.parts:
+            name = json.loads(summary.read_text())["name"]
+            out[name] = [json.loads(line) for line in (summary.parent / "metrics.jsonl").open()]
+    return out
+
+
+def largest_difference(a: list[dict], b: list[dict], keys: tuple[str, ...]) -> float:
+    """The largest relative difference of `keys` between rows of the same step (inf if the steps differ)."""
+    rows_b = {r["step"]: r for r in b}
+    if [r["step"] for r in a] != list(rows_b):
+        return float("inf")
+    worst = 0.0
+    for row in a:
+        for key in (k for k in keys if k in row):
+            want, got = rows_b[row["step"]].get(key), row[key]
+            worst = max(worst, float("inf") if want is None else abs(got - want) / max(abs(want), 1e-30))
+    return worst
+
+
+def sweep8(ctx: Context) -> None:
+    """The 8-arm medium sweep, command to closing table, default launcher; two of its arms run one after another."""
+    from startup import normlab_command
+    from sweep_bench import SWEEP, run_sweep
+
+    keys = dict(o.split("=", 1) for o in SWEEP)
+    overrides = ctx.run_overrides(keys)
+    normlab = normlab_command()
+    wall, jobs = run_sweep(normlab, overrides, ctx.workdir / "sweep8")
+    sample = ctx.run_overrides({**keys, "norm": "layer,rms", "placement": "pre", "hydra.launcher.jobs_per_gpu": 1})
+    _, alone = run_sweep(normlab, sample, ctx.workdir / "sequential")
+    diffs = [abs(jobs[n]["final_val_loss"] - s["final_val_loss"]) / abs(s["final_val_loss"]) for n, s in alone.items()]
+    tolerance = 0.0 if ctx.smoke else 1e-3  # a GPU run is not bit-exact without deterministic=true
+    statuses = sorted({s["status"] for s in jobs.values()})
+    ctx.report("sweep8_wall_s", round(wall, 2),
+               f"{len(jobs)} jobs ({', '.join(statuses)}); final val losses of {', '.join(alone)} run one after another "
+               f"(jobs_per_gpu=1): largest relative difference {max(diffs):.2e} (tolerance {tolerance:g})",
+               "the same arms one after another (jobs_per_gpu=1): their final val losses",
+               f"normlab train -m {' '.join(overrides)}", ok=len(jobs) == 8 and max(diffs) <= tolerance)
+
+
+def pack21(ctx: Context) -> None:
+    """The 21-run lr × seed pack, command to closing table; two members against their unpacked runs in fp32."""
+    from startup import normlab_command
+    from sweep_bench import run_sweep
+
+    grid = {"norm": "layer", "placement": "pre", "model": "medium", "max_steps": 300,
+            "lr": "3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1", "seed": "0,1,2", "pack": "true"}
+    overrides = ctx.run_overrides(grid)
+    normlab = normlab_command()
+    wall, jobs = run_sweep(normlab, overrides, ctx.workdir / "pack21")
+    # The docs' tolerance holds for fp32 over a few steps (docs/sweeps.md: 1e-5 on the CPU; tests/test_cuda.py: 1e-4
+    # on a GPU without tf32), so the sample trains that way, packed and unpacked.
+    sample = ctx.run_overrides({**grid, "lr": "1e-3,3e-2", "seed": 1, "max_steps": 20, "log_every": 1,
+                                "eval_every": 10, "precision": "fp32", "tf32": "false"})
+    run_sweep(normlab, sample, ctx.workdir / "packed")
+    run_sweep(normlab, [o for o in sample if o != "pack=true"], ctx.workdir / "unpacked")
+    packed, unpacked = runs_by_name(ctx.workdir / "packed"), runs_by_name(ctx.workdir / "unpacked")
+    worst = max(largest_difference(packed[n], unpacked[n], ("loss", "grad_norm", "val_loss")) for n in unpacked)
+    tolerance = 1e-5 if ctx.smoke else 1e-4
+    ctx.report("pack21_wall_s", round(wall, 2),
+               f"{len(jobs)} members, {', '.join(sorted({s['status'] for s in jobs.values()}))}; members {', '.join(unpacked)}"
+               f" (fp32, 20 steps) against their unpacked runs: largest relative difference of loss, grad_norm, val_loss "
+               f"{worst:.2e} (tolerance {tolerance:g})", "the sampled members unpacked, rows of every step",
+               f"normlab train -m {' '.join(overrides)}", ok=len(jobs) == 21 and worst <= tolerance)
+
+
+def deterministic(ctx: Context) -> None:
+    """deterministic=true: its step-time cost in one process, then a run stopped by SIGTERM after its first
+    checkpoint and resumed, whose rows must equal those of the same run uninterrupted."""
+    from normlab.train.runtime import CUBLAS_DETERMINISTIC
+
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]  # before the first matmul, as bench_gpu does
+    names = ["normlab eager", "normlab eager deterministic"]
+    step, cfg = step_medians(ctx, "medium", names, 10, *((1, 1) if ctx.smoke else (3, 2)))
+    ctx.report("deterministic_cost", round(100 * (step[names[1]] / step[names[0]] - 1), 2),
+               f"{shape_text(ctx, cfg)}, eager: {1e3 * step[names[1]]:.2f} ms/step with deterministic=true, "
+               f"{1e3 * step[names[0]]:.2f} without (CUBLAS_WORKSPACE_CONFIG set for both)",
+               f"deterministic=false: {1e3 * step[names[0]]:.2f} ms/step",
+               f"{SCRIPT} --stage deterministic  (python scripts/bench_gpu.py --shapes medium --deterministic)")
+    run = ctx.run_overrides({"model": "medium", "deterministic": "true", "max_steps": 200, "ckpt.every": 50,
+                             "ckpt.keep": 5, "eval_every": 100, "progress": "false", "wandb.mode": "disabled"},
+                            smoke={"max_steps": 60, "ckpt.every": 10})
+    equal, detail = resumed_equals_whole(ctx, run)
+    ctx.report("deterministic_resume_equal", equal, detail, "the same run uninterrupted, in the same stage",
+               f"normlab train {' '.join(run)}; SIGTERM after the first checkpoint; normlab resume <run dir>")
+
+
+def resumed_equals_whole(ctx: Context, run: list[str]) -> tuple[bool | None, str]:
+    """Two runs side by side, one uninterrupted and one stopped by SIGTERM once its first checkpoint exists,
+    then resumed; whether their metrics rows (times aside) are equal, and what happened."""
+    from startup import normlab_command
+
+    normlab, env = normlab_command(), normlab_env(ctx)
+    dirs = {name: ctx.workdir / name for name in ("whole", "stopped")}
+    procs = {name: subprocess.Popen([*normlab, "train", *run, f"hydra.run.dir={d}"], env=env) for name, d in dirs.items()}
+    try:
+        while not list((dirs["stopped"] / "checkpoints").glob("step-*.pt")):
+            if procs["stopped"].poll() is not None:
+                return None, f"the run ended (exit code {procs['stopped'].returncode}) before its first checkpoint"
+            time.sleep(0.005)
+        procs["stopped"].send_signal(signal.SIGTERM)
+        code = procs["stopped"].wait()
+        summary = json.loads((dirs["stopped"] / "summary.json").read_text())
+        if summary["status"] != "preempted":
+            return None, f"the signal came too late: the run ended {summary['status']} (exit code {code})"
+        subprocess.run([*normlab, "resume", str(dirs["stopped"])], env=env, check=True)
+        procs["whole"].wait()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    rows = {name: [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+                   for line in (d / "metrics.jsonl").open()] for name, d in dirs.items()}
+    differ = [w["step"] for w, s in zip(rows["whole"], rows["stopped"]) if w != s]
+    same = len(rows["whole"]) == len(rows["stopped"]) and not differ
+    return same, (f"stopped by SIGTERM at step {summary['preempted_step']} (exit code {code}), resumed; "
+                  f"{len(rows['stopped'])} rows against {len(rows['whole'])}: "
+                  + ("equal, every key but the times" if same else f"differ first at step {(differ or ['(count)'])[0]}"))
+
+
+def suite(ctx: Context) -> None:
+    """`python -m pytest -q` (tests/test_cuda.py included); with smoke, tests/test_cuda.py and one quick file."""
+    import re
+
+    args = ["-n", "0", "tests/test_cuda.py", "tests/test_schedule.py"] if ctx.smoke else []
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT,
+                          capture_output=True, text=True)
+    print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n", flush=True)
+    lines = proc.stdout.strip().splitlines()
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (failed|passed|errors?|skipped)", lines[-1] if lines else "")}
+    if not counts:
+        raise RuntimeError(f"pytest exited {proc.returncode} without its summary line: {' '.join(lines[-3:])[-300:]}")
+    failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+    names = [line.split(" ")[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    scope = "smoke: tests/test_cuda.py and tests/test_schedule.py only, -n 0; " if ctx.smoke else ""
+    command = f"python -m pytest -q {' '.join(args)}".strip()
+    detail = f"{scope}{lines[-1].strip('= ')}" + (f"; first: {', '.join(names[:5])}" if names else "")
+    ctx.report("suite_failed", failed, detail, None, command)
+    ctx.report("suite_passed", counts.get("passed", 0), detail, None, command)
+
+
+def torchrun(ctx: Context) -> None:
+    """`torchrun --nproc_per_node=2 -m normlab train device=cpu model=tiny` (gloo) on this host."""
+    run = ctx.run_overrides({"device": "cpu", "model": "tiny"}, smoke={"max_steps": 20})
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "normlab",
+               "train", *run, "progress=false", f"hydra.run.dir={ctx.workdir / 'run'}"]
+    proc = subprocess.run(command, env=normlab_env(ctx))
+    summary_path = ctx.workdir / "run" / "summary.json"
+    status = json.loads(summary_path.read_text())["status"] if summary_path.exists() else "no summary.json"
+    ctx.report("torchrun_cpu2_ok", proc.returncode == 0 and status == "completed",
+               f"exit code {proc.returncode}, status {status}", None,
+               f"torchrun --standalone --nproc_per_node=2 -m normlab train {' '.join(run)}")
+
+
+def figures(*specs: tuple[str, str, str | None]) -> tuple[Figure, ...]:
+    return tuple(Figure(*spec) for spec in specs)
+
+
+# In order of value per second, so that a cut-off run keeps most figures: the headline speed ratios first, the
+# workflow figures next, the suite (long; its failures also show in the stages before) and torchrun's CPU path last.
+STAGES = (
+    Stage("gpt2", figures(("gpt2_eager_vs_ref", "x", ">= 1.0"), ("gpt2_compile_vs_ref", "x", ">= 1.0"),
+                          ("gpt2_compile_mfu", "%", None)), 110, 150, gpt2,
+          "GPT-2 small's shape (12×768, T 1024, B 32, bf16): normlab over the hand-written reference, eager and compiled"),
+    Stage("medium_graphs", figures(("medium_graphs_tokens_per_s", "tokens/s", ">= 900000"),
+                                   ("medium_graphs_vs_ref", "x", ">= 0.95")), 70, 120, medium_graphs,
+          "the medium preset, compile=true compile_mode=reduce-overhead, against a CUDA-graph reference loop"),
+    Stage("telemetry", figures(("telemetry_overhead_eager", "%", "<= 3"), ("telemetry_overhead_compile", "%", "<= 3")),
+          60, 120, telemetry, "the medium preset's step time with telemetry every 10 steps over without, minus 1"),
+    Stage("deterministic", figures(("deterministic_resume_equal", "", "== true"), ("deterministic_cost", "%", None)),
+          50, 120, deterministic, "deterministic=true: its cost, and a SIGTERM-stopped, resumed run against the whole"),
+    Stage("sweep8", figures(("sweep8_wall_s", "s", "<= 20"),), 70, 120, sweep8,
+          "the 8-arm medium sweep, command to closing table, default launcher"),
+    Stage("pack21", figures(("pack21_wall_s", "s", "<= 30"),), 60, 120, pack21,
+          "the 21-run lr × seed grid of the medium preset as one pack"),
+    Stage("suite", figures(("suite_failed", "tests", "== 0"), ("suite_passed", "tests", None)), 85, 120, suite,
+          "the test suite on this machine, tests/test_cuda.py included"),
+    Stage("torchrun", figures(("torchrun_cpu2_ok", "", "== true"),), 25, 120, torchrun,
+          "two gloo ranks on the CPU under torchrun"),
+)

@@ -1,0 +1,126 @@
+"""scripts/gpu_acceptance.py on the CPU (--smoke): the JSON and table it keeps, stage by stage, and what it records
+for a stage that fails, runs past its budget, or is cut off by SIGTERM. The whole smoke run takes minutes; these
+run its quickest stage (the suite's smoke subset) and stop the others early."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import acceptance_stages  # noqa: E402
+import gpu_acceptance  # noqa: E402
+
+KEYS = {"name", "value", "unit", "target", "met", "reference", "command", "detail"}
+
+
+def start(out: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(SCRIPTS / "gpu_acceptance.py"), "--smoke", "--out", str(out), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "WANDB_MODE": "disabled"})
+
+
+def figures(out: Path) -> dict[str, dict]:
+    doc = json.loads((out / "gpu-acceptance.json").read_text())
+    assert {"device", "torch", "cuda", "commit", "started", "figures"} <= doc.keys() and doc["smoke"] is True
+    assert all(set(f) == KEYS for f in doc["figures"])
+    return {f["name"]: f for f in doc["figures"]}
+
+
+def test_a_smoke_stage_measures_its_figures_and_one_past_its_budget_records_null_and_why(tmp_path):
+    proc = start(tmp_path, "--stage", "suite", "deterministic", "--budget", "deterministic=0.5")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    got = figures(tmp_path)
+    assert list(got) == ["deterministic_resume_equal", "deterministic_cost", "suite_failed", "suite_passed"]
+    failed, passed = got["suite_failed"], got["suite_passed"]
+    assert failed["value"] == 0 and failed["met"] is True and failed["target"] == "== 0"
+    assert isinstance(passed["value"], int) and passed["value"] > 0 and passed["met"] is None  # no target
+    assert "tests/test_cuda.py" in failed["command"] and "smoke" in failed["detail"]
+    for name in ("deterministic_resume_equal", "deterministic_cost"):  # the stage before the suite: over budget
+        assert got[name]["value"] is None and got[name]["met"] is None
+        assert got[name]["detail"] == "ran past its budget of 0.5 s and was stopped"
+    table = (tmp_path / "gpu-acceptance.md").read_text()
+    assert f"| suite_failed | 0 | tests | == 0 | yes |" in table and f"| suite_passed | {passed['value']} | tests |" in table
+    assert "| deterministic_resume_equal | null |" in table and "| deterministic | 0.5 |" in table
+    assert "===== stage suite" in (tmp_path / "gpu-acceptance.log").read_text()
+
+
+def test_sigterm_cuts_off_the_stage_in_flight_and_leaves_valid_files(tmp_path):
+    proc = start(tmp_path, "--stage", "suite", "torchrun")
+    deadline = time.monotonic() + 120
+    while "===== stage suite" not in ((tmp_path / "gpu-acceptance.log").read_text()
+                                      if (tmp_path / "gpu-acceptance.log").exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    got = figures(tmp_path)
+    assert got["suite_failed"]["value"] is None and got["suite_failed"]["detail"].startswith("cut off by SIGTERM")
+    assert got["torchrun_cpu2_ok"]["detail"] == "not reached"
+    stages = {s["name"]: s["status"] for s in json.loads((tmp_path / "gpu-acceptance.json").read_text())["stages"]}
+    assert stages == {"suite": "cut off", "torchrun": "not reached"}
+    assert "stopped by SIGTERM" in out
+
+
+def test_a_failing_stage_records_null_with_its_error_and_a_rerun_keeps_the_other_stages(tmp_path, monkeypatch):
+    def broken(ctx):
+        ctx.report("sweep8_wall_s", 1.5, "measured before the failure")
+        raise RuntimeError("the sweep broke")
+
+    stage = next(s for s in acceptance_stages.STAGES if s.name == "sweep8")
+    monkeypatch.setitem(gpu_acceptance.BY_NAME, "sweep8", acceptance_stages.Stage(**{**stage.__dict__, "run": broken}))
+    assert gpu_acceptance.child("sweep8", tmp_path / "result.json", smoke=True) == 1
+    results = gpu_acceptance.read_results(tmp_path / "result.json")
+    assert results["error"] == "RuntimeError: the sweep broke"
+
+    header = {"device": "cpu: test", "torch": "x", "cuda": None, "commit": None, "started": "t0", "smoke": True}
+    stages = [s for s in acceptance_stages.STAGES if s.name in ("sweep8", "pack21")]
+    report = gpu_acceptance.Report(tmp_path, header, stages, {"sweep8": 1, "pack21": 2})
+    report.record(stages[0], {k: v for k, v in results.items() if k != "error"}, 3.0, "failed", "failed: " + results["error"])
+    report.record(stages[1], {}, 4.0, "failed", "failed: RuntimeError: no pack")
+    got = figures(tmp_path)
+    assert got["sweep8_wall_s"]["value"] == 1.5 and got["sweep8_wall_s"]["met"] is True  # reported before it broke
+    assert got["pack21_wall_s"]["value"] is None and got["pack21_wall_s"]["detail"] == "failed: RuntimeError: no pack"
+
+    # --stage pack21 again in the same folder keeps sweep8's figure and reruns pack21's
+    previous = gpu_acceptance.previous_run(tmp_path / "gpu-acceptance.json", {**header, "started": "t1"})
+    again = gpu_acceptance.Report(tmp_path, {**header, "started": "t1"}, stages[1:], {"pack21": 2}, previous)
+    assert again.figures["sweep8_wall_s"]["value"] == 1.5 and again.stages["sweep8"]["kept_from"] == "t0"
+    assert again.figures["pack21_wall_s"]["detail"] == "not reached"
+    assert gpu_acceptance.previous_run(tmp_path / "gpu-acceptance.json", {**header, "device": "other"}) is None
+
+
+@pytest.mark.parametrize("value, target, ok, expected", [
+    (1.02, ">= 1.0", True, True), (0.98, ">= 1.0", True, False), (3.5, "<= 3", True, False), (12.0, "<= 20", False, False),
+    (True, "== true", True, True), (False, "== true", True, False), (0, "== 0", True, True), (None, "<= 3", True, None),
+    (5, None, True, None),
+])
+def test_met_compares_a_value_with_its_target(value, target, ok, expected):
+    assert gpu_acceptance.met(value, target, ok) is expected
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stage", "gpt3"], "unknown stage 'gpt3': choose from gpt2, medium_graphs,"),
+    (["--budget", "suite=soon"], "--budget suite=soon: give NAME=SECONDS with a stage of gpt2,"),
+    (["--budget", "nothing=5"], "--budget nothing=5: give NAME=SECONDS"),
+])
+def test_bad_arguments_give_one_line_and_write_nothing(tmp_path, capsys, args, message):
+    assert gpu_acceptance.main(["--smoke", "--out", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpu_acceptance: error: {message}") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_device_slug_names_the_gpu():
+    assert gpu_acceptance.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_acceptance.device_slug("NVIDIA H200") == "h200"
+    assert gpu_acceptance.device_slug("Some Card") == "some-card"

@@ -3,13 +3,14 @@
     python scripts/gpu_acceptance.py [--smoke] [--out DIR] [--stage NAME ...] [--budget NAME=SECONDS ...]
 
 On a lent device (one command, carrying .whl; see docs/speed.md#gpu-acceptance):
-    source .whl/setup.sh && python scripts/gpu_acceptance.py --out $OUT
+    source .whl/setup.sh && PYTHONUNBUFFERED=1 python3 scripts/gpu_acceptance.py --out $OUT
 
 The stages (scripts/acceptance_stages.py; default: all, in its order) run one after another, each in a process
 of its own with a wall-clock budget. After each stage DIR/gpu-acceptance.json (device, torch, cuda, commit,
 started, and the figures: name, value, unit, target, met, reference, command, detail) and the table
 DIR/gpu-acceptance.md are rewritten whole (atomically). A stage that fails or runs past its budget records
-value null and why, and the next one runs; the figures a stage reported before it was cut off are kept.
+value null and why, and the next one runs; the figures a stage reported before it was cut off are kept. A stage
+that ends early leaves its unused time to the next: the run never takes longer than the budgets' sum.
 SIGTERM or SIGINT (a device call's time limit) stops the stage in flight, records it "cut off", writes the
 files and exits 128 + the signal. On a CUDA device the JSON is also copied to gpu-<device>.json beside it
 and under docs/benchmarks/. `--smoke`: every stage at a tiny size on the CPU, same figure names (default DIR:
@@ -285,12 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     header = environment(args.smoke)
     report = Report(out, header, stages, limits, previous_run(out / "gpu-acceptance.json", header) if args.stage else None)
     report.write()
-    started = time.perf_counter()
+    started, total = time.perf_counter(), sum(limits[s.name] for s in stages)
     with (out / "gpu-acceptance.log").open("a") as log, tempfile.TemporaryDirectory(prefix="acceptance-") as scratch:
-        for stage in stages:
+        for i, stage in enumerate(stages):
             if signals.received:
                 break
-            results, wall, status, why = run_stage(stage, limits[stage.name], args.smoke, log, Path(scratch), signals)
+            # Its own budget and what the stages before it left unused, keeping the later ones' budgets whole.
+            later = sum(limits[s.name] for s in stages[i + 1:])
+            budget = round(max(limits[stage.name], total - (time.perf_counter() - started) - later), 1)
+            report.stages[stage.name]["budget_s"] = budget
+            results, wall, status, why = run_stage(stage, budget, args.smoke, log, Path(scratch), signals)
             report.record(stage, results, wall, status, why)
             print(f"gpu_acceptance: {stage.name}: {status} in {wall:.1f} s" + (f" ({why})" if why else ""), flush=True)
     if signals.received:

@@ -157,6 +157,12 @@ class Report:
         return "\n".join(lines) + "\n"
 
 
+def stage_budget(budgets: list[float], i: int, elapsed: float) -> float:
+    """Stage i's seconds: its own budget and what the stages before it left unused of theirs, keeping the
+    later stages' budgets whole, so the run ends within the budgets' sum."""
+    return round(max(budgets[i], sum(budgets[: i + 1]) - elapsed), 1)
+
+
 def previous_run(path: Path, header: dict[str, Any]) -> dict[str, Any] | None:
     """The JSON an earlier run of this script left at `path`, if it measured the same device in the same mode."""
     try:
@@ -286,14 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     header = environment(args.smoke)
     report = Report(out, header, stages, limits, previous_run(out / "gpu-acceptance.json", header) if args.stage else None)
     report.write()
-    started, total = time.perf_counter(), sum(limits[s.name] for s in stages)
+    started = time.perf_counter()
     with (out / "gpu-acceptance.log").open("a") as log, tempfile.TemporaryDirectory(prefix="acceptance-") as scratch:
         for i, stage in enumerate(stages):
             if signals.received:
                 break
-            # Its own budget and what the stages before it left unused, keeping the later ones' budgets whole.
-            later = sum(limits[s.name] for s in stages[i + 1:])
-            budget = round(max(limits[stage.name], total - (time.perf_counter() - started) - later), 1)
+            budget = stage_budget([limits[s.name] for s in stages], i, time.perf_counter() - started)
             report.stages[stage.name]["budget_s"] = budget
             results, wall, status, why = run_stage(stage, budget, args.smoke, log, Path(scratch), signals)
             report.record(stage, results, wall, status, why)

@@ -99,6 +99,14 @@ def test_a_failing_stage_records_null_with_its_error_and_a_rerun_keeps_the_other
     assert gpu_acceptance.previous_run(tmp_path / "gpu-acceptance.json", {**header, "device": "other"}) is None
 
 
+def test_a_stage_gets_the_time_the_stages_before_it_left_unused():
+    budgets = [120, 70, 55]
+    assert gpu_acceptance.stage_budget(budgets, 0, 0.0) == 120
+    assert gpu_acceptance.stage_budget(budgets, 1, 100.0) == 90  # 20 s left over by the first
+    assert gpu_acceptance.stage_budget(budgets, 2, 150.0) == 95  # 40 s left over by the first two
+    assert gpu_acceptance.stage_budget(budgets, 2, 200.0) == 55  # never less than its own
+
+
 @pytest.mark.parametrize("value, target, ok, expected", [
     (1.02, ">= 1.0", True, True), (0.98, ">= 1.0", True, False), (3.5, "<= 3", True, False), (12.0, "<= 20", False, False),
     (True, "== true", True, True), (False, "== true", True, False), (0, "== 0", True, True), (None, "<= 3", True, None),

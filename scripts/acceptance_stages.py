@@ -9,6 +9,7 @@ Ratios are measured beside their reference in the same process or the same stage
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -52,14 +53,21 @@ class Context:
     """What a stage sees: smoke or not, its device and precision, a scratch dir, and `report`."""
 
     def __init__(self, smoke: bool, result_path: Path, workdir: Path):
+        self.smoke, self.result_path, self.workdir = smoke, result_path, workdir
+        self.results: dict[str, dict[str, Any]] = {}
+
+    @functools.cached_property
+    def device(self):
+        """torch's device (torch is imported here, on first use: the stages that only start commands skip it)."""
         import torch
 
-        self.smoke, self.result_path, self.workdir = smoke, result_path, workdir
-        self.device = torch.device("cpu" if smoke else "cuda")
-        if smoke:  # tiny steps gain nothing from a second thread, and on a shared CPU extra threads oversubscribe it
+        if self.smoke:  # tiny steps gain nothing from a second thread, and on a shared CPU extra threads oversubscribe it
             torch.set_num_threads(1)
-        self.precision = "bf16" if not smoke or cpu_has_bf16() else "fp32"
-        self.results: dict[str, dict[str, Any]] = {}
+        return torch.device("cpu" if self.smoke else "cuda")
+
+    @functools.cached_property
+    def precision(self) -> str:
+        return "bf16" if not self.smoke or cpu_has_bf16() else "fp32"
 
     def report(self, name: str, value: Any, detail: str, reference: str | None = None, command: str | None = None,
                ok: bool = True) -> None:

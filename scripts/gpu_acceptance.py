@@ -73,7 +73,8 @@ def met(value: Any, target: str | None, ok: bool) -> bool | None:
 
 
 def environment(smoke: bool) -> dict[str, Any]:
-    """The header of the JSON: device, torch, cuda, commit (None outside a git checkout), started."""
+    """The header of the JSON: device, torch, cuda, commit (None outside a git checkout; whether tracked files
+    differ from it), started, and the machine's CPUs and load."""
     import torch
 
     if smoke or not torch.cuda.is_available():
@@ -84,8 +85,9 @@ def environment(smoke: bool) -> dict[str, Any]:
         device = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else "cuda"
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True)
-    commit = git.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if git.returncode == 0 else None
+    commit = git.stdout.strip() if git.returncode == 0 else None
     return {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit,
+            "uncommitted_changes": bool(dirty.stdout.strip()) if commit else None,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "smoke": smoke,
             "cpus": os.cpu_count(), "load_average": [round(v, 2) for v in os.getloadavg()]}
 

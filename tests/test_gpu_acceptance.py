@@ -4,6 +4,7 @@ run its quickest stage (the suite's smoke subset) and stop the others early."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ def figures(out: Path) -> dict[str, dict]:
     doc = json.loads((out / "gpu-acceptance.json").read_text())
     assert {"device", "torch", "cuda", "commit", "started", "figures"} <= doc.keys() and doc["smoke"] is True
     assert all(set(f) == KEYS for f in doc["figures"])
+    assert doc["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", doc["commit"])  # this checkout's HEAD
     return {f["name"]: f for f in doc["figures"]}
 
 

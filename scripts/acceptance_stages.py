@@ -139,8 +139,8 @@ def gpt2(ctx: Context) -> None:
                    f"{ref:.0f} tokens/s", command)
     mfu = ours * model_flops_per_token(cfg) / peak
     ctx.report("gpt2_compile_mfu", round(100 * mfu, 2), f"normlab compiled, {ours:.0f} tokens/s × "
-               f"{model_flops_per_token(cfg) / 1e9:.3f} GFLOP/token over the measured {ctx.precision} matmul peak",
-               f"matmul peak measured here: {peak / 1e12:.2f} TFLOP/s", command)
+               f"{model_flops_per_token(cfg) / 1e6:.2f} MFLOP/token over the measured {ctx.precision} matmul peak",
+               f"{ctx.precision} matmul peak measured here: {peak / 1e9:.1f} GFLOP/s", command)
 
 
 def medium_graphs(ctx: Context) -> None:

@@ -11,6 +11,7 @@ while the run dir is as it was. train() checks the same again, for callers witho
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from pathlib import Path
@@ -23,7 +24,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from normlab.config import ConfigError, RunConfig
+from normlab.config import ConfigError, RunConfig, flatten_config
 from normlab.launch.paths import from_launch_dir
 from normlab.train.sinks import RunDir, RunDirBusy
 
@@ -51,12 +52,18 @@ def compose_run(overrides: list[str], config_dirs: list[str], config_module: str
         GlobalHydra.instance().clear()
 
 
+class RunEnded(Exception):
+    """The run a single `normlab train` asks for already ended in its run dir: nothing to train, and Hydra
+    must not start (it would rewrite the dir's .hydra/). The message is the line that says so."""
+
+
 @contextlib.contextmanager
 def claim(overrides: list[str], config_dirs: list[str], config_module: str, config_name: str | None = None):
     """For a single run whose run dir exists: hold its lock for the duration, after checking that the
-    run may start there. Raises ConfigError (one line) for what would refuse it, before Hydra writes."""
+    run may start there. Raises ConfigError (one line) for what would refuse it, and RunEnded for a run
+    that already ended there, both before Hydra writes."""
     # torch: not for `normlab train --help`, which imports this module
-    from normlab.train.checkpoint import CheckpointError, resolve_resume
+    from normlab.train.checkpoint import CheckpointError, ended_run, resolve_resume
     from normlab.train.run import check_resumable
 
     if not config_dirs and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in overrides):
@@ -70,12 +77,43 @@ def claim(overrides: list[str], config_dirs: list[str], config_module: str, conf
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(RunDir(path).lock())
+            ended = ended_run(cfg, path)
+            if ended is not None:
+                raise RunEnded(ended_line(cfg, path, ended, not_applied(overrides, cfg, path)))
             checkpoint = resolve_resume(cfg, path)
             if checkpoint is not None:
                 check_resumable(cfg, checkpoint)
         except (RunDirBusy, CheckpointError) as err:
             raise ConfigError(str(err)) from None
         yield
+
+
+def ended_line(cfg: RunConfig, run_dir: str | os.PathLike, ended: dict[str, Any], ignored: list[str] = ()) -> str:
+    """The line for a run that already ended in `run_dir` (its summary `ended`): not trained again, and the
+    command line's overrides that were therefore not applied (`ignored`)."""
+    line = (f"normlab: {cfg.run_name} already {ended['status']} in {run_dir}: not trained again "
+            "(overwrite=true trains it afresh)")
+    return line + (f"; not applied: {' '.join(ignored)}" if ignored else "")
+
+
+def not_applied(overrides: list[str], cfg: RunConfig, run_dir: Path) -> list[str]:
+    """The overrides of `overrides` that would change the config the run in `run_dir` ended with (its
+    config.json): bookkeeping keys only, since anything else is another run. How it was started
+    (resume=, overwrite=) and Hydra's own settings are left out."""
+    try:
+        saved = flatten_config(json.loads((run_dir / "config.json").read_text()))
+    except (OSError, ValueError, AttributeError):
+        return []
+    now = flatten_config(cfg)
+    changed = {k for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
+    ignored = []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.startswith("hydra.") or key in ("resume", "overwrite", "wandb.overrides"):
+            continue
+        if any(k == key or k.startswith(key + ".") for k in changed):
+            ignored.append(override)
+    return ignored
 
 
 def record_failure(run_dir: str | os.PathLike, cfg: RunConfig, err: BaseException) -> None:

@@ -36,7 +36,7 @@ from normlab.config import ConfigError, RunConfig
 from normlab.launch.paths import from_launch_dir
 from normlab.launch.resolvers import register_resolvers
 from normlab.launch.resume import continue_command
-from normlab.launch.rundir import final_loss, record_failure
+from normlab.launch.rundir import ended_line, final_loss, record_failure
 from normlab.launch.sweep_log import read_summary
 from normlab.train.sinks import RunDirBusy, WandbUnavailable, disk_full
 from normlab.util.errors import PREFIX, fail
@@ -121,8 +121,7 @@ def ended_loss(run_cfg: RunConfig, output_dir: str) -> float | None:
     if ended is None:
         return None
     # A re-run sweep: the job is done, and a second wandb run would only confuse its records.
-    print(f"normlab: {run_cfg.run_name} already {ended['status']} in {output_dir}: not trained again "
-          "(overwrite=true trains it afresh)", file=sys.stderr)
+    print(ended_line(run_cfg, output_dir, ended), file=sys.stderr)
     return final_loss(ended)
 
 

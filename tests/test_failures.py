@@ -147,6 +147,31 @@ def test_a_resume_with_another_config_changes_nothing(run_copy):
     assert snapshot(run_copy) == before
 
 
+def test_a_cut_newest_checkpoint_names_the_newest_readable_one_and_the_command_that_continues_from_it(
+        run_copy, monkeypatch, capsys):
+    import shlex
+
+    # A run stopped after its checkpoint of step 10, which was then cut in half.
+    record, steps = summary(run_copy), [r["step"] for r in rows(run_copy)]
+    (run_copy / "summary.json").write_text(json.dumps({**record, "status": "preempted", "preempted_step": 10}))
+    newest = checkpoint_path(run_copy, 10)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    before = snapshot(run_copy)
+    refused = normlab_here("resume", str(run_copy), cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+    assert refused.returncode == 2
+    line = one_error_line(refused.stderr, str(newest), "unreadable checkpoint", str(checkpoint_path(run_copy, 5)),
+                          "(step 5)")
+    assert "..." not in line and "miniz" not in line
+    assert snapshot(run_copy) == before
+    command = shlex.split(line.split("to continue from it: ", 1)[1].split(" (the later")[0])
+    assert command[:2] == ["normlab", "resume"]
+    resumed = normlab_here(*command[1:], cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(run_copy)["status"] == "completed" and summary(run_copy)["resumed_from_step"] == 5
+    assert [r["step"] for r in rows(run_copy)] == steps
+    Checkpoint.load(newest)  # written again by the resumed run
+
+
 # §1 Rows dropped without a word ------------------------------------------------------------------------
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf, open_dict
 
 from normlab.config import ConfigError, RunConfig, flatten_config
 from normlab.launch.paths import from_launch_dir
+from normlab.launch.resume import with_continue_command
 from normlab.train.sinks import RunDir, RunDirBusy
 
 
@@ -84,7 +85,7 @@ def claim(overrides: list[str], config_dirs: list[str], config_module: str, conf
             if checkpoint is not None:
                 check_resumable(cfg, checkpoint)
         except (RunDirBusy, CheckpointError) as err:
-            raise ConfigError(str(err)) from None
+            raise ConfigError(str(with_continue_command(err))) from None
         yield
 
 

@@ -35,7 +35,7 @@ import normlab.train.preempt as preempt
 from normlab.config import ConfigError, RunConfig
 from normlab.launch.paths import from_launch_dir
 from normlab.launch.resolvers import register_resolvers
-from normlab.launch.resume import continue_command
+from normlab.launch.resume import continue_command, with_continue_command
 from normlab.launch.rundir import ended_line, final_loss, record_failure
 from normlab.launch.sweep_log import read_summary
 from normlab.train.sinks import RunDirBusy, WandbUnavailable, disk_full
@@ -76,6 +76,7 @@ def train_job(cfg: DictConfig) -> float:
     except RunDirBusy as err:
         return _stop(err) if not multirun else _job_failed(hc, run_cfg, err, recorded=True)
     except (DataError, CheckpointError, ConfigError, WandbUnavailable) as err:  # bad input, like a bad config value: one line, not a traceback
+        err = with_continue_command(err)
         if not multirun:
             return _stop(err)
         # train() has recorded a data error; a refused checkpoint left the job's dir as it was until now.

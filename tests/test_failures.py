@@ -452,6 +452,35 @@ def test_ctrl_c_during_training_checkpoints_and_exits_interrupted(tmp_path):
     assert [r["step"] for r in rows(run_dir)] == list(range(401))
 
 
+def test_ctrl_c_says_so_once_after_the_progress_bar_closed(tmp_path, monkeypatch, capsys):
+    import gc
+
+    import normlab.train.loop as loop
+    import normlab.train.run as run
+    from normlab.train.callbacks.progress import ProgressBar
+
+    monkeypatch.setattr(run, "progress", ProgressBar)  # the bar a terminal gets
+    evaluate, calls = loop.evaluate, []
+
+    def interrupted_evaluate(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the evaluation of step 5
+            os.kill(os.getpid(), signal.SIGINT)
+        return evaluate(*args)
+
+    monkeypatch.setattr(loop, "evaluate", interrupted_evaluate)
+    with pytest.raises(SystemExit) as stopped:
+        normlab_here("train", *RUN, "progress=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+                     monkeypatch=monkeypatch, capsys=capsys)
+    gc.collect()  # an open bar is drawn again when collected
+    out, err = capsys.readouterr()
+    assert stopped.value.code == 130
+    said = [line for line in (out + err).splitlines() if "stopped by SIGINT" in line]
+    assert len(said) == 1 and said[0].startswith("normlab: ") and "step 5" in said[0], out + err
+    assert err.rstrip("\n").endswith(said[0]), err[-2000:]  # nothing drawn after it
+    assert "interrupted" in (tmp_path / "run" / "normlab.log").read_text()
+
+
 # §3 Sweeps finish -----------------------------------------------------------------------------------------
 
 def test_a_data_error_in_one_job_is_that_jobs_failure(tmp_path):

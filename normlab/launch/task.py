@@ -84,14 +84,23 @@ def train_job(cfg: DictConfig) -> float:
     except preempt.Preempted as stop:
         # A job's dir is <sweep dir>/<subdir>.
         again = continue_command(output_dir, multirun, str(Path(output_dir).parent))
-        log.warning("%s: %s; to continue it: %s", name, stop, again)
-        print(f"normlab: {name} {stop.status}: {stop}; to continue it: {again}", file=sys.stderr)
+        said(f"normlab: {name} {stop.status}: {stop}; to continue it: {again}")
         preempt.chain(stop.signum, previous_handlers)
     except Exception as err:
         if not multirun and not disk_full(err):
             raise
         return _job_failed(hc, run_cfg, err, recorded=True)
     return summary["final_val_loss"]
+
+
+def said(line: str) -> None:
+    """`line` on stderr, once, and in the log files of the job (its normlab.log), but not again on the terminal
+    through the log's console handler."""
+    print(line, file=sys.stderr)
+    record = log.makeRecord(log.name, logging.WARNING, __file__, 0, line, None, None)
+    for handler in {*logging.getLogger().handlers, *log.handlers}:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def job_config(cfg: DictConfig) -> RunConfig:
@@ -230,8 +239,7 @@ def train_members(members: list[PackMember]) -> None:
     except preempt.Preempted as stop:
         names = ", ".join(m.cfg.run_name for m in training)
         again = continue_command(training[0].run_dir, True, str(Path(training[0].run_dir).parent))
-        log.warning("pack of %s: %s; to continue it: %s", names, stop, again)
-        print(f"normlab: pack of {names} {stop.status}: {stop}; to continue it: {again}", file=sys.stderr)
+        said(f"normlab: pack of {names} {stop.status}: {stop}; to continue it: {again}")
         preempt.chain(stop.signum, previous_handlers)
         raise
     except Exception as err:

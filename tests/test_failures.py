@@ -49,6 +49,15 @@ def normlab_here(*args, cwd, monkeypatch, capsys):
     return subprocess.CompletedProcess(["normlab", *args], code, out, err)
 
 
+def normlab_exits_here(*args, cwd, monkeypatch, capsys):
+    """normlab_here for a command whose Hydra job ends the process (sys.exit): its exit code as returncode."""
+    try:
+        return normlab_here(*args, cwd=cwd, monkeypatch=monkeypatch, capsys=capsys)
+    except SystemExit as stopped:
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["normlab", *args], stopped.code, out, err)
+
+
 def start(*args, cwd):
     """`normlab` running in the background. Its SIGINT is the default one, as a terminal's Ctrl-C finds it, even
     when pytest itself runs as a background job (`cmd &` in a script), which starts with SIGINT ignored: normlab
@@ -482,6 +491,29 @@ def test_ctrl_c_says_so_once_after_the_progress_bar_closed(tmp_path, monkeypatch
 
 
 # §3 Sweeps finish -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("data", ["missing", "empty", "a directory", "hf offline"])
+def test_a_single_run_refused_for_its_data_leaves_no_run_dir(tmp_path, data, monkeypatch, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "folder").mkdir()
+    given = {"missing": ["data=text", f"data.files=[{tmp_path / 'missing.txt'}]"],
+             "empty": ["data=text", f"data.files=[{tmp_path / 'empty.txt'}]"],
+             "a directory": ["data=text", f"data.files=[{tmp_path / 'folder'}]"],
+             "hf offline": ["data=hf", "data.name=surely/not-cached-xyz", f"data.cache_dir={tmp_path / 'cache'}"]}[data]
+    result = normlab_exits_here("train", *RUN, *given, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert result.returncode == 2
+    one_error_line(result.stderr)
+    runs = tmp_path / "outputs" / "runs"
+    assert not runs.exists() or not list(runs.iterdir()), list(runs.rglob("*"))
+
+
+def test_a_refused_run_in_a_dir_that_existed_keeps_the_dir(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    result = normlab_exits_here("train", *RUN, "data=text", f"data.files=[{tmp_path / 'missing.txt'}]",
+                                f"hydra.run.dir={run_dir}", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert result.returncode == 2 and run_dir.is_dir()
+
 
 def test_a_data_error_in_one_job_is_that_jobs_failure(tmp_path):
     (tmp_path / "a.txt").write_text("too small")

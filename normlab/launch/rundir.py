@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,24 @@ def compose_run(overrides: list[str], config_dirs: list[str], config_module: str
         GlobalHydra.instance().clear()
 
 
+# Whether the single run this process launched (claim) trains in a dir Hydra makes for it, one that did not exist.
+_new_run_dir = False
+
+
+def discard_unstarted(run_dir: str | os.PathLike) -> bool:
+    """Remove `run_dir` if this process's launch made it (claim) and the run was refused before it recorded
+    anything (no metrics row, no checkpoint): what is in it (Hydra's .hydra/ and normlab.log, a failed
+    summary.json) was written for a run that never started. A dir that existed before is never removed.
+    Returns whether it was removed."""
+    from normlab.train.checkpoint import holds_records, list_checkpoints  # torch: not for `normlab train --help`
+
+    path = Path(run_dir)
+    if not _new_run_dir or not path.is_dir() or holds_records(path) or list_checkpoints(path):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not path.exists()
+
+
 class RunEnded(Exception):
     """The run a single `normlab train` asks for already ended in its run dir: nothing to train, and Hydra
     must not start (it would rewrite the dir's .hydra/). The message is the line that says so."""
@@ -62,17 +81,30 @@ class RunEnded(Exception):
 def claim(overrides: list[str], config_dirs: list[str], config_module: str, config_name: str | None = None):
     """For a single run whose run dir exists: hold its lock for the duration, after checking that the
     run may start there. Raises ConfigError (one line) for what would refuse it, and RunEnded for a run
-    that already ended there, both before Hydra writes."""
+    that already ended there, both before Hydra writes. For the duration, discard_unstarted knows whether
+    the run dir is one Hydra makes for this run."""
+    global _new_run_dir
+    with _claimed(overrides, config_dirs, config_module, config_name) as new:
+        _new_run_dir = new
+        try:
+            yield
+        finally:
+            _new_run_dir = False
+
+
+@contextlib.contextmanager
+def _claimed(overrides: list[str], config_dirs: list[str], config_module: str, config_name: str | None):
+    """claim(), yielding whether the run dir is a new one."""
     # torch: not for `normlab train --help`, which imports this module
     from normlab.train.checkpoint import CheckpointError, ended_run, resolve_resume
     from normlab.train.run import check_resumable
 
     if not config_dirs and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in overrides):
-        yield  # the packaged config names each run's dir by its launch time and id: a new dir
+        yield True  # the packaged config names each run's dir by its launch time and id: a new dir
         return
     composed = compose_run(overrides, config_dirs, config_module, config_name)
     if composed is None or not composed[1].is_dir():
-        yield  # a new run dir: nothing in it to protect
+        yield composed is not None  # a new run dir: nothing in it to protect (where Hydra puts it, if it can)
         return
     cfg, path = composed
     with contextlib.ExitStack() as held:
@@ -86,7 +118,7 @@ def claim(overrides: list[str], config_dirs: list[str], config_module: str, conf
                 check_resumable(cfg, checkpoint)
         except (RunDirBusy, CheckpointError) as err:
             raise ConfigError(str(with_continue_command(err))) from None
-        yield
+        yield False
 
 
 def ended_line(cfg: RunConfig, run_dir: str | os.PathLike, ended: dict[str, Any], ignored: list[str] = ()) -> str:

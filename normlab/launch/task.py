@@ -36,7 +36,7 @@ from normlab.config import ConfigError, RunConfig
 from normlab.launch.paths import from_launch_dir
 from normlab.launch.resolvers import register_resolvers
 from normlab.launch.resume import continue_command, with_continue_command
-from normlab.launch.rundir import ended_line, final_loss, record_failure
+from normlab.launch.rundir import discard_unstarted, ended_line, final_loss, record_failure
 from normlab.launch.sweep_log import read_summary
 from normlab.train.sinks import RunDirBusy, WandbUnavailable, disk_full
 from normlab.util.errors import PREFIX, fail
@@ -65,7 +65,7 @@ def train_job(cfg: DictConfig) -> float:
     try:
         run_cfg = job_config(cfg)
     except ConfigError as err:
-        return _stop(err)
+        return _stop(err, None if multirun else hc.runtime.output_dir)
     name, output_dir = run_cfg.run_name, hc.runtime.output_dir
     ended = ended_loss(run_cfg, output_dir)
     if ended is not None:
@@ -78,7 +78,7 @@ def train_job(cfg: DictConfig) -> float:
     except (DataError, CheckpointError, ConfigError, WandbUnavailable) as err:  # bad input, like a bad config value: one line, not a traceback
         err = with_continue_command(err)
         if not multirun:
-            return _stop(err)
+            return _stop(err, output_dir)
         # train() has recorded a data error; a refused checkpoint left the job's dir as it was until now.
         return _job_failed(hc, run_cfg, err, recorded=isinstance(err, DataError))
     except preempt.Preempted as stop:
@@ -169,11 +169,14 @@ def _swept_on_command_line(multirun_yaml: str, mtime_ns: int) -> tuple[str, ...]
     return tuple(o.get_key_element() for o in OverridesParser.create().parse_overrides(list(task)) if o.is_sweep_override())
 
 
-def _stop(err) -> float:
+def _stop(err, unstarted: str | None = None) -> float:
     """Bad input found by a job: one line, then exit code 2. In a submitit job (one task of a SLURM array)
     the job stops alone and the sweep goes on: it returns NaN, as a failed arm does, since submitit
-    records no result for a job that exits, and its launcher would wait for one."""
+    records no result for a job that exits, and its launcher would wait for one. `unstarted`: the run dir
+    of a single run refused before it started, removed if this launch made it (rundir.discard_unstarted)."""
     code = fail(err)
+    if unstarted is not None:
+        discard_unstarted(unstarted)
     if os.environ.get("SUBMITIT_EXECUTOR"):
         log.error("%s", err)
         return math.nan

@@ -38,7 +38,7 @@ from normlab.launch.resolvers import register_resolvers
 from normlab.launch.resume import continue_command, with_continue_command
 from normlab.launch.rundir import discard_unstarted, ended_line, final_loss, record_failure
 from normlab.launch.sweep_log import read_summary
-from normlab.train.sinks import RunDirBusy, WandbUnavailable, disk_full
+from normlab.train.sinks import RunDirBusy, RunDirGone, WandbUnavailable, disk_full
 from normlab.util.errors import PREFIX, fail
 
 log = logging.getLogger("normlab")
@@ -87,7 +87,7 @@ def train_job(cfg: DictConfig) -> float:
         said(f"normlab: {name} {stop.status}: {stop}; to continue it: {again}")
         preempt.chain(stop.signum, previous_handlers)
     except Exception as err:
-        if not multirun and not disk_full(err):
+        if not multirun and not disk_full(err) and not isinstance(err, RunDirGone):
             raise
         return _job_failed(hc, run_cfg, err, recorded=True)
     return summary["final_val_loss"]
@@ -191,7 +191,10 @@ def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:
         record_failure(hc.runtime.output_dir, run_cfg, err)
     name, multirun = run_cfg.run_name, hc.mode == RunMode.MULTIRUN
     what = f"the disk is full ({err})" if disk_full(err) else f"{type(err).__name__}: {err}"
-    log.error("job %s failed: %s", name, what, exc_info=None if disk_full(err) else err)
+    if isinstance(err, RunDirGone):
+        what = str(err)  # its normlab.log went with the dir: the line below is the whole account
+    else:
+        log.error("job %s failed: %s", name, what, exc_info=None if disk_full(err) else err)
     print(f"{PREFIX}job {hc.job.num} ({name}) failed: {what}" if multirun else f"{PREFIX}{name} failed: {what}",
           file=sys.stderr)
     if not multirun or run_cfg.fail_fast:

@@ -49,6 +49,15 @@ def normlab_here(*args, cwd, monkeypatch, capsys):
     return subprocess.CompletedProcess(["normlab", *args], code, out, err)
 
 
+def normlab_exits_here(*args, cwd, monkeypatch, capsys):
+    """normlab_here for a command whose Hydra job ends the process (sys.exit): its exit code as returncode."""
+    try:
+        return normlab_here(*args, cwd=cwd, monkeypatch=monkeypatch, capsys=capsys)
+    except SystemExit as stopped:
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["normlab", *args], stopped.code, out, err)
+
+
 def start(*args, cwd):
     """`normlab` running in the background. Its SIGINT is the default one, as a terminal's Ctrl-C finds it, even
     when pytest itself runs as a background job (`cmd &` in a script), which starts with SIGINT ignored: normlab
@@ -145,6 +154,31 @@ def test_a_resume_with_another_config_changes_nothing(run_copy):
     assert result.returncode == 2
     one_error_line(result.stderr, "lr=0.003", "lr=0.01")
     assert snapshot(run_copy) == before
+
+
+def test_a_cut_newest_checkpoint_names_the_newest_readable_one_and_the_command_that_continues_from_it(
+        run_copy, monkeypatch, capsys):
+    import shlex
+
+    # A run stopped after its checkpoint of step 10, which was then cut in half.
+    record, steps = summary(run_copy), [r["step"] for r in rows(run_copy)]
+    (run_copy / "summary.json").write_text(json.dumps({**record, "status": "preempted", "preempted_step": 10}))
+    newest = checkpoint_path(run_copy, 10)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    before = snapshot(run_copy)
+    refused = normlab_here("resume", str(run_copy), cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+    assert refused.returncode == 2
+    line = one_error_line(refused.stderr, str(newest), "unreadable checkpoint", str(checkpoint_path(run_copy, 5)),
+                          "(step 5)")
+    assert "..." not in line and "miniz" not in line
+    assert snapshot(run_copy) == before
+    command = shlex.split(line.split("to continue from it: ", 1)[1].split(" (the later")[0])
+    assert command[:2] == ["normlab", "resume"]
+    resumed = normlab_here(*command[1:], cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(run_copy)["status"] == "completed" and summary(run_copy)["resumed_from_step"] == 5
+    assert [r["step"] for r in rows(run_copy)] == steps
+    Checkpoint.load(newest)  # written again by the resumed run
 
 
 # §1 Rows dropped without a word ------------------------------------------------------------------------
@@ -427,7 +461,59 @@ def test_ctrl_c_during_training_checkpoints_and_exits_interrupted(tmp_path):
     assert [r["step"] for r in rows(run_dir)] == list(range(401))
 
 
+def test_ctrl_c_says_so_once_after_the_progress_bar_closed(tmp_path, monkeypatch, capsys):
+    import gc
+
+    import normlab.train.loop as loop
+    import normlab.train.run as run
+    from normlab.train.callbacks.progress import ProgressBar
+
+    monkeypatch.setattr(run, "progress", ProgressBar)  # the bar a terminal gets
+    evaluate, calls = loop.evaluate, []
+
+    def interrupted_evaluate(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the evaluation of step 5
+            os.kill(os.getpid(), signal.SIGINT)
+        return evaluate(*args)
+
+    monkeypatch.setattr(loop, "evaluate", interrupted_evaluate)
+    with pytest.raises(SystemExit) as stopped:
+        normlab_here("train", *RUN, "progress=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+                     monkeypatch=monkeypatch, capsys=capsys)
+    gc.collect()  # an open bar is drawn again when collected
+    out, err = capsys.readouterr()
+    assert stopped.value.code == 130
+    said = [line for line in (out + err).splitlines() if "stopped by SIGINT" in line]
+    assert len(said) == 1 and said[0].startswith("normlab: ") and "step 5" in said[0], out + err
+    assert err.rstrip("\n").endswith(said[0]), err[-2000:]  # nothing drawn after it
+    assert "interrupted" in (tmp_path / "run" / "normlab.log").read_text()
+
+
 # §3 Sweeps finish -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("data", ["missing", "empty", "a directory", "hf offline"])
+def test_a_single_run_refused_for_its_data_leaves_no_run_dir(tmp_path, data, monkeypatch, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "folder").mkdir()
+    given = {"missing": ["data=text", f"data.files=[{tmp_path / 'missing.txt'}]"],
+             "empty": ["data=text", f"data.files=[{tmp_path / 'empty.txt'}]"],
+             "a directory": ["data=text", f"data.files=[{tmp_path / 'folder'}]"],
+             "hf offline": ["data=hf", "data.name=surely/not-cached-xyz", f"data.cache_dir={tmp_path / 'cache'}"]}[data]
+    result = normlab_exits_here("train", *RUN, *given, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert result.returncode == 2
+    one_error_line(result.stderr)
+    runs = tmp_path / "outputs" / "runs"
+    assert not runs.exists() or not list(runs.iterdir()), list(runs.rglob("*"))
+
+
+def test_a_refused_run_in_a_dir_that_existed_keeps_the_dir(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    result = normlab_exits_here("train", *RUN, "data=text", f"data.files=[{tmp_path / 'missing.txt'}]",
+                                f"hydra.run.dir={run_dir}", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert result.returncode == 2 and run_dir.is_dir()
+
 
 def test_a_data_error_in_one_job_is_that_jobs_failure(tmp_path):
     (tmp_path / "a.txt").write_text("too small")

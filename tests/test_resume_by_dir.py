@@ -161,13 +161,29 @@ def test_a_bookkeeping_change_beside_resume_is_taken(run_copy):
     assert checkpoint_steps(run_copy) == [10] and (run_copy / "metrics.csv").is_file()
 
 
-def test_resume_of_an_ended_run_by_its_dir_trains_nothing(run_copy):
+def test_resume_of_an_ended_run_by_its_dir_trains_nothing_and_changes_no_byte(run_copy, monkeypatch, capsys):
     before = snapshot(run_copy)
-    result = normlab("resume", str(run_copy), cwd=run_copy.parent)
+    result = normlab_here("resume", str(run_copy), cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "already completed" in result.stderr and "not trained again" in result.stderr
-    assert {k: v for k, v in snapshot(run_copy).items() if not k.startswith(".hydra")} == \
-        {k: v for k, v in before.items() if not k.startswith(".hydra")}
+    [line] = result.stderr.splitlines()
+    assert "already completed" in line and "not trained again" in line and "not applied" not in line
+    assert snapshot(run_copy) == before  # .hydra/ and normlab.log included: Hydra never started
+
+
+def test_an_ended_run_launched_again_in_its_dir_keeps_its_record_and_names_what_was_not_applied(run_copy, monkeypatch,
+                                                                                                 capsys):
+    # The launch had ckpt.keep=3: a second launch without it must not replace the saved overrides.
+    before = snapshot(run_copy)
+    short = [a for a in RUN if not a.startswith(("max_steps", "eval_every", "log_every", "ckpt.every"))]
+    again = normlab_here("train", *short, "max_steps=10", "eval_every=5", "log_every=1", "ckpt.every=5",
+                         f"hydra.run.dir={run_copy}", cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+    assert again.returncode == 0 and "already completed" in again.stderr, again.stderr[-3000:]
+    resumed = normlab_here("resume", str(run_copy), "log_every=5", "ckpt.every=20", cwd=run_copy.parent,
+                           monkeypatch=monkeypatch, capsys=capsys)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [line] = resumed.stderr.splitlines()
+    assert "already completed" in line and line.endswith("not applied: log_every=5 ckpt.every=20"), line
+    assert snapshot(run_copy) == before
 
 
 PRESET = """# @package _global_

@@ -30,7 +30,7 @@ from normlab.launch.argv import check_modes, experiment_override, hydra_complete
 from normlab.launch.prechecks import CONFIG_MODULE, check_command
 from normlab.launch.resolvers import register_resolvers
 from normlab.launch.resume import check_unchanged, replay, resume_spec, saved_run_of
-from normlab.launch.rundir import claim, compose_run
+from normlab.launch.rundir import RunEnded, claim, compose_run
 from normlab.launch.task import train_job
 from normlab.util.errors import fail
 
@@ -104,6 +104,8 @@ def _train(argv: list[str], overrides: list[str], config_dirs: list[str], multir
             _hydra_main(["normlab train", *argv])
     except ConfigError as err:
         return fail(err)
+    except RunEnded as ended:  # nothing to train, and its dir stays as it is: Hydra never started
+        print(ended, file=sys.stderr)
     finally:
         distributed.shutdown()
     return 0

@@ -27,6 +27,7 @@ from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfi
 from normlab.config.packing import pack_groups
 from normlab.launch.machine import check_machine
 from normlab.launch.overrides import check_command_line, check_composition, quoted_value
+from normlab.launch.resume import with_continue_command
 
 CONFIG_MODULE = "normlab.conf"
 CONFIG_GROUPS = ("model", "norm", "data", "tokenizer", "optim", "experiment")
@@ -134,7 +135,7 @@ def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = Fals
     unless `hydra.run.dir` is given, one pointing there.
     """
     # torch (through the checkpoint module): not for `normlab train --help`, which imports this module.
-    from normlab.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, run_dir_of
+    from normlab.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_newest, run_dir_of
 
     parsed = OverridesParser.create().parse_overrides(overrides)
     check_values(parsed, config_dirs)
@@ -149,9 +150,10 @@ def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = Fals
                 raise ConfigError(f"resume={path!r}: choose null, auto or a checkpoint path")
             try:
                 checkpoint = find_checkpoint(path)
-                Checkpoint.load(checkpoint)  # a bad file stops here, before Hydra makes a run dir
+                # A bad file stops here, before Hydra makes a run dir.
+                load_newest(path) if Path(path).is_dir() else Checkpoint.load(checkpoint)
             except CheckpointError as err:
-                raise ConfigError(str(err)) from None
+                raise ConfigError(str(with_continue_command(err))) from None
             run_dir = run_dir_of(checkpoint)
             if run_dir is not None and not any(o.key_or_group == "hydra.run.dir" for o in parsed):
                 extra.append("hydra.run.dir=" + quoted_value(str(run_dir)))

@@ -170,6 +170,17 @@ def _bookkeeping_shown(flat: dict[str, Any]) -> list[str]:
     return [f"{k}.*" if any(key.startswith(k + ".") for key in flat) else k for k in bookkeeping_keys()]
 
 
+def with_continue_command(err: BaseException) -> BaseException:
+    """`err`, or for an unreadable newest checkpoint (checkpoint.UnreadableCheckpoint) the same refusal naming
+    the command, ready to paste, that continues the run from its newest readable checkpoint."""
+    from normlab.train.checkpoint import UnreadableCheckpoint  # torch: not for `normlab train --help`
+
+    if not isinstance(err, UnreadableCheckpoint) or err.readable is None:
+        return err
+    command = shlex.join(["normlab", "resume", str(Path(err.readable.path).absolute())])
+    return UnreadableCheckpoint(err.error, err.readable, command)
+
+
 def continue_command(run_dir: str, multirun: bool, sweep_dir: str) -> str:
     """The command, ready to paste into a shell, that continues the run stopped in `run_dir`: `normlab resume
     DIR`; a sweep's job: the sweep's own command again with hydra.sweep.dir (so every job lands in its old

@@ -11,8 +11,10 @@ while the run dir is as it was. train() checks the same again, for callers witho
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from normlab.config import ConfigError, RunConfig
+from normlab.config import ConfigError, RunConfig, flatten_config
 from normlab.launch.paths import from_launch_dir
+from normlab.launch.resume import with_continue_command
 from normlab.train.sinks import RunDir, RunDirBusy
 
 
@@ -51,31 +54,99 @@ def compose_run(overrides: list[str], config_dirs: list[str], config_module: str
         GlobalHydra.instance().clear()
 
 
+# Whether the single run this process launched (claim) trains in a dir Hydra makes for it, one that did not exist.
+_new_run_dir = False
+
+
+def discard_unstarted(run_dir: str | os.PathLike) -> bool:
+    """Remove `run_dir` if this process's launch made it (claim) and the run was refused before it recorded
+    anything (no metrics row, no checkpoint): what is in it (Hydra's .hydra/ and normlab.log, a failed
+    summary.json) was written for a run that never started. A dir that existed before is never removed.
+    Returns whether it was removed."""
+    from normlab.train.checkpoint import holds_records, list_checkpoints  # torch: not for `normlab train --help`
+
+    path = Path(run_dir)
+    if not _new_run_dir or not path.is_dir() or holds_records(path) or list_checkpoints(path):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not path.exists()
+
+
+class RunEnded(Exception):
+    """The run a single `normlab train` asks for already ended in its run dir: nothing to train, and Hydra
+    must not start (it would rewrite the dir's .hydra/). The message is the line that says so."""
+
+
 @contextlib.contextmanager
 def claim(overrides: list[str], config_dirs: list[str], config_module: str, config_name: str | None = None):
     """For a single run whose run dir exists: hold its lock for the duration, after checking that the
-    run may start there. Raises ConfigError (one line) for what would refuse it, before Hydra writes."""
+    run may start there. Raises ConfigError (one line) for what would refuse it, and RunEnded for a run
+    that already ended there, both before Hydra writes. For the duration, discard_unstarted knows whether
+    the run dir is one Hydra makes for this run."""
+    global _new_run_dir
+    with _claimed(overrides, config_dirs, config_module, config_name) as new:
+        _new_run_dir = new
+        try:
+            yield
+        finally:
+            _new_run_dir = False
+
+
+@contextlib.contextmanager
+def _claimed(overrides: list[str], config_dirs: list[str], config_module: str, config_name: str | None):
+    """claim(), yielding whether the run dir is a new one."""
     # torch: not for `normlab train --help`, which imports this module
-    from normlab.train.checkpoint import CheckpointError, resolve_resume
+    from normlab.train.checkpoint import CheckpointError, ended_run, resolve_resume
     from normlab.train.run import check_resumable
 
     if not config_dirs and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in overrides):
-        yield  # the packaged config names each run's dir by its launch time and id: a new dir
+        yield True  # the packaged config names each run's dir by its launch time and id: a new dir
         return
     composed = compose_run(overrides, config_dirs, config_module, config_name)
     if composed is None or not composed[1].is_dir():
-        yield  # a new run dir: nothing in it to protect
+        yield composed is not None  # a new run dir: nothing in it to protect (where Hydra puts it, if it can)
         return
     cfg, path = composed
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(RunDir(path).lock())
+            ended = ended_run(cfg, path)
+            if ended is not None:
+                raise RunEnded(ended_line(cfg, path, ended, not_applied(overrides, cfg, path)))
             checkpoint = resolve_resume(cfg, path)
             if checkpoint is not None:
                 check_resumable(cfg, checkpoint)
         except (RunDirBusy, CheckpointError) as err:
-            raise ConfigError(str(err)) from None
-        yield
+            raise ConfigError(str(with_continue_command(err))) from None
+        yield False
+
+
+def ended_line(cfg: RunConfig, run_dir: str | os.PathLike, ended: dict[str, Any], ignored: list[str] = ()) -> str:
+    """The line for a run that already ended in `run_dir` (its summary `ended`): not trained again, and the
+    command line's overrides that were therefore not applied (`ignored`)."""
+    line = (f"normlab: {cfg.run_name} already {ended['status']} in {run_dir}: not trained again "
+            "(overwrite=true trains it afresh)")
+    return line + (f"; not applied: {' '.join(ignored)}" if ignored else "")
+
+
+def not_applied(overrides: list[str], cfg: RunConfig, run_dir: Path) -> list[str]:
+    """The overrides of `overrides` that would change the config the run in `run_dir` ended with (its
+    config.json): bookkeeping keys only, since anything else is another run. How it was started
+    (resume=, overwrite=) and Hydra's own settings are left out."""
+    try:
+        saved = flatten_config(json.loads((run_dir / "config.json").read_text()))
+    except (OSError, ValueError, AttributeError):
+        return []
+    now = flatten_config(cfg)
+    changed = {k for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
+    ignored = []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.startswith("hydra.") or key in ("resume", "overwrite", "wandb.overrides"):
+            continue
+        if any(k == key or k.startswith(key + ".") for k in changed):
+            ignored.append(override)
+    return ignored
 
 
 def record_failure(run_dir: str | os.PathLike, cfg: RunConfig, err: BaseException) -> None:

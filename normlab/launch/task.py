@@ -35,10 +35,10 @@ import normlab.train.preempt as preempt
 from normlab.config import ConfigError, RunConfig
 from normlab.launch.paths import from_launch_dir
 from normlab.launch.resolvers import register_resolvers
-from normlab.launch.resume import continue_command
-from normlab.launch.rundir import final_loss, record_failure
+from normlab.launch.resume import continue_command, with_continue_command
+from normlab.launch.rundir import discard_unstarted, ended_line, final_loss, record_failure
 from normlab.launch.sweep_log import read_summary
-from normlab.train.sinks import RunDirBusy, WandbUnavailable, disk_full
+from normlab.train.sinks import RunDirBusy, RunDirGone, WandbUnavailable, disk_full
 from normlab.util.errors import PREFIX, fail
 
 log = logging.getLogger("normlab")
@@ -65,7 +65,7 @@ def train_job(cfg: DictConfig) -> float:
     try:
         run_cfg = job_config(cfg)
     except ConfigError as err:
-        return _stop(err)
+        return _stop(err, None if multirun else hc.runtime.output_dir)
     name, output_dir = run_cfg.run_name, hc.runtime.output_dir
     ended = ended_loss(run_cfg, output_dir)
     if ended is not None:
@@ -76,21 +76,31 @@ def train_job(cfg: DictConfig) -> float:
     except RunDirBusy as err:
         return _stop(err) if not multirun else _job_failed(hc, run_cfg, err, recorded=True)
     except (DataError, CheckpointError, ConfigError, WandbUnavailable) as err:  # bad input, like a bad config value: one line, not a traceback
+        err = with_continue_command(err)
         if not multirun:
-            return _stop(err)
+            return _stop(err, output_dir)
         # train() has recorded a data error; a refused checkpoint left the job's dir as it was until now.
         return _job_failed(hc, run_cfg, err, recorded=isinstance(err, DataError))
     except preempt.Preempted as stop:
         # A job's dir is <sweep dir>/<subdir>.
         again = continue_command(output_dir, multirun, str(Path(output_dir).parent))
-        log.warning("%s: %s; to continue it: %s", name, stop, again)
-        print(f"normlab: {name} {stop.status}: {stop}; to continue it: {again}", file=sys.stderr)
+        said(f"normlab: {name} {stop.status}: {stop}; to continue it: {again}")
         preempt.chain(stop.signum, previous_handlers)
     except Exception as err:
-        if not multirun and not disk_full(err):
+        if not multirun and not disk_full(err) and not isinstance(err, RunDirGone):
             raise
         return _job_failed(hc, run_cfg, err, recorded=True)
     return summary["final_val_loss"]
+
+
+def said(line: str) -> None:
+    """`line` on stderr, once, and in the log files of the job (its normlab.log), but not again on the terminal
+    through the log's console handler."""
+    print(line, file=sys.stderr)
+    record = log.makeRecord(log.name, logging.WARNING, __file__, 0, line, None, None)
+    for handler in {*logging.getLogger().handlers, *log.handlers}:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def job_config(cfg: DictConfig) -> RunConfig:
@@ -121,8 +131,7 @@ def ended_loss(run_cfg: RunConfig, output_dir: str) -> float | None:
     if ended is None:
         return None
     # A re-run sweep: the job is done, and a second wandb run would only confuse its records.
-    print(f"normlab: {run_cfg.run_name} already {ended['status']} in {output_dir}: not trained again "
-          "(overwrite=true trains it afresh)", file=sys.stderr)
+    print(ended_line(run_cfg, output_dir, ended), file=sys.stderr)
     return final_loss(ended)
 
 
@@ -160,11 +169,14 @@ def _swept_on_command_line(multirun_yaml: str, mtime_ns: int) -> tuple[str, ...]
     return tuple(o.get_key_element() for o in OverridesParser.create().parse_overrides(list(task)) if o.is_sweep_override())
 
 
-def _stop(err) -> float:
+def _stop(err, unstarted: str | None = None) -> float:
     """Bad input found by a job: one line, then exit code 2. In a submitit job (one task of a SLURM array)
     the job stops alone and the sweep goes on: it returns NaN, as a failed arm does, since submitit
-    records no result for a job that exits, and its launcher would wait for one."""
+    records no result for a job that exits, and its launcher would wait for one. `unstarted`: the run dir
+    of a single run refused before it started, removed if this launch made it (rundir.discard_unstarted)."""
     code = fail(err)
+    if unstarted is not None:
+        discard_unstarted(unstarted)
     if os.environ.get("SUBMITIT_EXECUTOR"):
         log.error("%s", err)
         return math.nan
@@ -179,7 +191,10 @@ def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:
         record_failure(hc.runtime.output_dir, run_cfg, err)
     name, multirun = run_cfg.run_name, hc.mode == RunMode.MULTIRUN
     what = f"the disk is full ({err})" if disk_full(err) else f"{type(err).__name__}: {err}"
-    log.error("job %s failed: %s", name, what, exc_info=None if disk_full(err) else err)
+    if isinstance(err, RunDirGone):
+        what = str(err)  # its normlab.log went with the dir: the line below is the whole account
+    else:
+        log.error("job %s failed: %s", name, what, exc_info=None if disk_full(err) else err)
     print(f"{PREFIX}job {hc.job.num} ({name}) failed: {what}" if multirun else f"{PREFIX}{name} failed: {what}",
           file=sys.stderr)
     if not multirun or run_cfg.fail_fast:
@@ -230,8 +245,7 @@ def train_members(members: list[PackMember]) -> None:
     except preempt.Preempted as stop:
         names = ", ".join(m.cfg.run_name for m in training)
         again = continue_command(training[0].run_dir, True, str(Path(training[0].run_dir).parent))
-        log.warning("pack of %s: %s; to continue it: %s", names, stop, again)
-        print(f"normlab: pack of {names} {stop.status}: {stop}; to continue it: {again}", file=sys.stderr)
+        said(f"normlab: pack of {names} {stop.status}: {stop}; to continue it: {again}")
         preempt.chain(stop.signum, previous_handlers)
         raise
     except Exception as err:

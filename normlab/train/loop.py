@@ -193,6 +193,9 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
             _call(callbacks, "on_step_end", state, record if logged else None)
     except Diverged as stop:
         return stop.step
+    except BaseException:
+        _call(callbacks, "on_train_stop", state)  # a signal's stop or an error: the progress bar closes before its line
+        raise
     return None
 
 

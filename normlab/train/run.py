@@ -31,8 +31,8 @@ from normlab.data import Corpus, load_corpus, model_vocab_size
 from normlab.nn.flops import model_flops_per_token, peak_flops
 from normlab.nn.model import GPT
 from normlab.train.callbacks import (
-    BatchNormSteps, Callback, Checkpointing, DivergenceGuard, RunReport, Telemetry, TelemetryProducts, ThroughputClock,
-    progress,
+    BatchNormSteps, Callback, Checkpointing, DivergenceGuard, RunDirWatch, RunReport, Telemetry, TelemetryProducts,
+    ThroughputClock, progress,
 )
 from normlab.train.checkpoint import Checkpoint, CheckpointError, Checkpointer, resolve_resume, rewind
 from normlab.train.environment import run_environment
@@ -118,7 +118,7 @@ def _train_in(cfg: RunConfig, run_dir: RunDir, sinks: list[Sink] | None, callbac
                     open_sinks(context, into=opened)
                 else:
                     opened.extend(sinks)
-        summary.update(_fit(cfg, corpus, opened, checkpointer, resumed, callbacks))
+        summary.update(_fit(cfg, corpus, opened, checkpointer, resumed, callbacks, run_dir if writes else None))
         exit_code = 0  # a diverged run is an outcome, not a failure
     except Preempted as stop:
         if stop.step is None:  # stopped before the first step: the run is where it started
@@ -146,7 +146,7 @@ def record_end(run_dir: RunDir | None, summary: dict[str, Any], sinks: list[Sink
     """Write summary.json (into `run_dir`, when given) and finish every sink, whatever fails on the way;
     return the first failure, or None."""
     trouble: BaseException | None = None
-    if run_dir is not None:
+    if run_dir is not None and run_dir.gone() is None:  # never into a dir made again at a vanished one's path
         try:
             run_dir.write_summary(summary)
         except Exception as err:
@@ -194,13 +194,16 @@ def build_state(cfg: RunConfig, device: torch.device, precision: str) -> TrainSt
 
 
 def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], checkpointer: Checkpointer,
-                       device: torch.device, extra: Sequence[Callback] = ()) -> list[Callback]:
-    """The loop's callbacks in hook order, `extra` ones before checkpointing (which saves them all).
+                       device: torch.device, extra: Sequence[Callback] = (), run_dir: RunDir | None = None
+                       ) -> list[Callback]:
+    """The loop's callbacks in hook order, `extra` ones before checkpointing (which saves them all); given the
+    `run_dir` the run writes, first of all its watch (RunDirWatch), so no callback writes into a vanished dir.
 
     The guard comes first (it stops a diverged step before anything measures it), then telemetry, then
     the clock (whose step time so includes telemetry's cost), then what reads the finished record.
     """
-    callbacks: list[Callback] = [
+    callbacks: list[Callback] = [RunDirWatch(run_dir)] if run_dir is not None else []
+    callbacks += [
         DivergenceGuard(cfg.diverge_factor, device),
         BatchNormSteps(state.model, cfg),  # before telemetry, which reads the step's running statistics
         Telemetry(Probe(state.model, cfg.telemetry.every, cfg.max_steps)),
@@ -218,7 +221,7 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
 
 
 def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkpointer, resumed: Checkpoint | None,
-         extra: Sequence[Callback]) -> dict[str, Any]:
+         extra: Sequence[Callback], run_dir: RunDir | None) -> dict[str, Any]:
     """Build everything, restore a checkpoint if resuming, run the steps; return the run's results."""
     cfg = with_model_vocab(cfg, corpus)
     device = distributed.local_device(resolve_device(cfg.device))
@@ -231,7 +234,7 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkp
     net = distributed.wrap(state.model, device, sync_batchnorm=cfg.norm.sync)  # the model itself for one process
     # Watched steps and evaluation run eager `net`/`model`; checkpoints hold `model`, so no `_orig_mod.` keys.
     fast = compile_model(net, cfg.compile_mode) if cfg.compile else net
-    callbacks = standard_callbacks(cfg, state, sinks, checkpointer, device, extra)
+    callbacks = standard_callbacks(cfg, state, sinks, checkpointer, device, extra, run_dir)
     if resumed is not None:
         resumed.restore(state, callbacks)
     for callback in callbacks:

@@ -12,12 +12,13 @@ from normlab.train.callbacks.divergence import DivergenceGuard
 from normlab.train.callbacks.products import TelemetryProducts
 from normlab.train.callbacks.progress import ProgressBar, ProgressLog, progress
 from normlab.train.callbacks.report import RunReport
+from normlab.train.callbacks.rundir_watch import RunDirWatch
 from normlab.train.callbacks.telemetry import Telemetry
 from normlab.train.callbacks.throughput import ThroughputClock
 
 __all__ = [
     "PREEMPT_CHECK_EVERY",
     "BatchNormSteps", "Callback", "Checkpointing", "DivergenceGuard", "Diverged", "ProgressBar", "ProgressLog",
-    "RunReport", "Telemetry", "TelemetryProducts", "ThroughputClock",
+    "RunDirWatch", "RunReport", "Telemetry", "TelemetryProducts", "ThroughputClock",
     "progress",
 ]

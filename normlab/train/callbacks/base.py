@@ -10,6 +10,7 @@ The loop calls the hooks in the order of a step (see normlab.train):
                                           record (None on a step that is not logged); raise Diverged to stop
     on_step_end(state, record)            the record, as the sinks got it (None if not logged)
     on_train_end(state, summary)          the run completed or diverged: add to the summary, write products
+    on_train_stop(state)                  the steps stopped short (a signal, an error): release what it holds
 
 Every hook does nothing unless a callback overrides it. A callback's `state_dict()` goes into every
 checkpoint under its `name`, so a resumed run's callbacks continue as they were. A new monitor is
@@ -49,6 +50,8 @@ class Callback:
     def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None: ...
 
     def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None: ...
+
+    def on_train_stop(self, state: TrainState) -> None: ...
 
     def state_dict(self) -> dict[str, Any]:
         return {}

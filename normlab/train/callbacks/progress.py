@@ -35,6 +35,10 @@ class ProgressBar(Callback):
     def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
         self.bar.close()
 
+    def on_train_stop(self, state: TrainState) -> None:
+        if self.bar is not None:
+            self.bar.close()  # else tqdm redraws it when it is collected, after the line that says why the run stopped
+
 
 class ProgressLog(Callback):
     """The progress bar's stand-in when output is not a terminal (a batch job's log): a line at the first

@@ -43,7 +43,9 @@ from normlab.train.checkpoint.resume import (
     check_same_run,
     ended_run,
     find_checkpoint,
+    UnreadableCheckpoint,
     holds_records,
+    load_newest,
     resolve_resume,
     rewind,
     rewind_metrics,
@@ -53,9 +55,9 @@ from normlab.train.checkpoint.rng import capture_rng, restore_rng
 
 __all__ = [
     "ABSENT", "CHECKPOINT_DIR", "ENDED", "FORMAT", "MAY_CHANGE_ON_RESUME",
-    "Checkpoint", "CheckpointError", "Checkpointer", "NamedStateful", "Stateful", "TrainStateLike",
+    "Checkpoint", "CheckpointError", "Checkpointer", "UnreadableCheckpoint", "NamedStateful", "Stateful", "TrainStateLike",
     "capture_rng", "check_same_run", "checkpoint_path", "config_difference", "config_differences", "ended_run",
     "find_checkpoint",
-    "holds_records", "latest_checkpoint", "list_checkpoints", "may_change", "resolve_resume", "restore_rng", "rewind",
+    "holds_records", "latest_checkpoint", "list_checkpoints", "load_newest", "may_change", "resolve_resume", "restore_rng", "rewind",
     "rewind_metrics", "run_dir_of", "write_atomic",
 ]

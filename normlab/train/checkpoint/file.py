@@ -109,7 +109,8 @@ class Checkpoint:
             raise CheckpointError(f"{path}: no such checkpoint") from None
         except Exception as err:
             # torch's refusal of a non-weights pickle is a paragraph of advice; the gist fits in the line below.
-            detail = "" if isinstance(err, pickle.UnpicklingError) else f" ({type(err).__name__}: {one_line(err, limit=200)})"
+            # torch's account of a cut file is its first sentence; the rest is advice (a "miniz error"...).
+            detail = "" if isinstance(err, pickle.UnpicklingError) else f" ({type(err).__name__}: {_first_sentence(err)})"
             raise CheckpointError(f"{path}: unreadable checkpoint: corrupt, truncated, or not written by normlab{detail}") from None
         written = payload.get("format") if isinstance(payload, dict) else None
         if isinstance(written, str) and written.startswith("normlab-checkpoint/") and written != FORMAT:
@@ -231,6 +232,12 @@ class Checkpointer:
         for _, old in list_checkpoints(self.run_dir)[: -self.keep]:
             old.unlink(missing_ok=True)
         return path
+
+
+def _first_sentence(err: BaseException) -> str:
+    """An error's first sentence, on one line (one_line): what went wrong, without the advice after it."""
+    text = one_line(err, limit=10_000)
+    return one_line(text.split(". ", 1)[0], limit=200)
 
 
 def _missing(err: BaseException) -> str:

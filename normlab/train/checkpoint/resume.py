@@ -77,15 +77,51 @@ def resolve_resume(cfg: RunConfig, run_dir: str | os.PathLike) -> Checkpoint | N
             )
         return None
     if cfg.resume == "auto":
-        path = latest_checkpoint(run_dir)
+        checkpoint = load_newest(run_dir)
+    elif Path(cfg.resume).is_dir():
+        find_checkpoint(cfg.resume)  # one line if it holds none
+        checkpoint = load_newest(cfg.resume)
     else:
-        path = find_checkpoint(cfg.resume)
-    if path is None:
+        checkpoint = Checkpoint.load(find_checkpoint(cfg.resume))
+    if checkpoint is None:
         check_same_run(cfg, run_dir)
         return None
-    checkpoint = Checkpoint.load(path)
     checkpoint.check_config(cfg)
     return checkpoint
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """The newest checkpoint of a run dir does not load; `readable` is the newest older one that does (None if
+    none does), `error` what the newest one's load said. The message is one line."""
+
+    def __init__(self, error: CheckpointError, readable: Checkpoint | None, command: str | None = None):
+        """`command`: the command that continues from `readable`, for the message (else resume=<its path>)."""
+        self.error, self.readable = error, readable
+        if readable is None:
+            advice = "no older checkpoint of the run loads either: overwrite=true starts it over"
+        else:
+            how = f"to continue from it: {command}" if command else f"resume={readable.path} continues from it"
+            advice = (f"the newest readable checkpoint is {readable.path} (step {readable.step}); {how} "
+                      "(the later checkpoints are removed)")
+        super().__init__(f"{error}; {advice}")
+
+
+def load_newest(run_dir: str | os.PathLike) -> Checkpoint | None:
+    """The newest checkpoint of `run_dir`, loaded; None if it has none. UnreadableCheckpoint (naming the newest
+    one that loads) if the newest does not load; nothing on disk changes."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        return None
+    try:
+        return Checkpoint.load(found[-1][1])
+    except CheckpointError as err:
+        for _, older in reversed(found[:-1]):
+            try:
+                readable = Checkpoint.load(older)
+            except CheckpointError:
+                continue
+            raise UnreadableCheckpoint(err, readable) from None
+        raise UnreadableCheckpoint(err, None) from None
 
 
 def find_checkpoint(spec: str | os.PathLike) -> Path:

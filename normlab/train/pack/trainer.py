@@ -197,7 +197,12 @@ def _fit_pack(members: list[Member], corpus: Corpus) -> list[dict[str, Any]]:
     loop.checkpoints(OptimizerLayout(pack.template, base, device), generators)
     if members[0].resumed is not None:
         loop.restore()
-    loop.run(lambda: _next_batches(cfgs, loaders))
+    try:
+        loop.run(lambda: _next_batches(cfgs, loaders))
+    except BaseException:
+        if loop.bar is not None:
+            loop.bar.on_train_stop(None)  # closed before the line that says why the pack stopped
+        raise
     return [loop.result(i, batchnorm, corpus) for i in range(len(members))]
 
 

@@ -18,13 +18,14 @@ from normlab.train.sinks.rundir import (
     AppendOnlyLines,
     RunDir,
     RunDirBusy,
+    RunDirGone,
     disk_full,
 )
 from normlab.train.sinks.wandb import MINIMIZED, WandbSink, WandbUnavailable, user_wandb_settings, wandb_config
 
 __all__ = [
     "MINIMIZED", "RESERVE_BYTES", "RESERVE_NAME", "SINKS",
-    "AppendOnlyLines", "MetricsCsv", "MetricsFile", "RunDir", "RunDirBusy", "Sink", "SinkContext", "WandbSink",
+    "AppendOnlyLines", "MetricsCsv", "MetricsFile", "RunDir", "RunDirBusy", "RunDirGone", "Sink", "SinkContext", "WandbSink",
     "WandbUnavailable",
     "disk_full", "finish_all", "open_sinks", "user_wandb_settings", "wandb_config",
 ]

@@ -1,4 +1,5 @@
-"""The run dir (RunDir): its files, its lock (RunDirBusy when another process holds it), the room it keeps
+"""The run dir (RunDir): its files, its lock (RunDirBusy when another process holds it), whether it is still at
+its path (RunDirGone when it was deleted, moved or replaced during the run), the room it keeps
 for summary.json when the disk fills (disk_full), and the line files its metrics grow in (AppendOnlyLines)."""
 
 from __future__ import annotations
@@ -20,6 +21,19 @@ RESERVE_BYTES = 256 * 1024  # room kept for summary.json, so a run that fills th
 
 class RunDirBusy(RuntimeError):
     """Another process is writing this run dir; the message is one line."""
+
+
+class RunDirGone(RuntimeError):
+    """The run dir was deleted, moved or replaced while the run wrote it; the message is one line."""
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The (device, inode) of `path`, or None where nothing is."""
+    try:
+        found = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return found.st_dev, found.st_ino
 
 
 def jsonable(value: Any) -> Any:
@@ -47,6 +61,25 @@ class RunDir:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self._identity = _identity(self.path)  # the dir itself, whatever later lies at its path
+
+    def gone(self) -> str | None:
+        """None while `path` is the dir it was when this RunDir was made; else what became of it, in words."""
+        now = _identity(self.path)
+        if now == self._identity:
+            return None
+        return "deleted or moved away" if now is None else "replaced by another"
+
+    def check_in_place(self, step: int) -> None:
+        """Raise RunDirGone if the run dir is no longer at its path (`step`: the run's step, for the message).
+        One stat; nothing is created, so a deleted dir is not made again."""
+        what = self.gone()
+        if what is not None:
+            raise RunDirGone(
+                f"the run dir {self.path} was {what} during the run (noticed at step {step}): the run stopped there; "
+                "what it had written (metrics.jsonl, config.json, normlab.log, checkpoints) went with that dir, "
+                "and nothing more is written at this path"
+            )
 
     @property
     def metrics_path(self) -> Path:

@@ -84,6 +84,11 @@ def trained(cwd) -> list:
         (["lr=1e-3,3e-3"], ["lr=1e-3,3e-3 is a sweep", "add -m"]),
         (["norm=rms,layer"], ["is a sweep", "add -m"]),
         (["lr=[1e-3"], ["not an override normlab can read", "key=value"]),
+        # a character no path or name holds (Hydra: its grammar's error over two lines, blaming what follows)
+        (["hydra.run.dir=run\nb"], ["hydra.run.dir holds a newline (\\n) at position 3 of its value 'run\\nb'",
+                                     "may hold neither control characters nor bytes that are not UTF-8"]),
+        (["name=a\tb"], ["name holds a tab (\\t) at position 1"]),
+        (["hydra.run.dir=run\udcff"], ["hydra.run.dir holds the byte 0xff, which is not UTF-8, at position 3"]),
         (["--config-dir", "no/such/dir"], ["--config-dir=no/such/dir: no such directory"]),
         (["--config-name", "nope"], ["--config-name=nope: no such config", "config"]),
         (["lr=1e-3", "-m", "norm=rms,layer"], ["unrecognized arguments", "put -m and other options before the overrides"]),

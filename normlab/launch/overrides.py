@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import unicodedata
 from pathlib import Path
 
 from hydra._internal.hydra import Hydra
@@ -62,6 +63,28 @@ def _parse(overrides: list[str]) -> list:
     return parsed
 
 
+CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL", "\x1b": "an escape"}
+
+
+def check_characters(overrides: list[str]) -> None:
+    """ConfigError (one line, the text escaped) for an override holding a control character, or a byte that
+    is not UTF-8 (argv's surrogate escape): Hydra's grammar stops at either with several lines, where a
+    newline in hydra.run.dir is a path no one meant."""
+    for line in overrides:
+        key, eq, value = line.partition("=")
+        for i, char in enumerate(value if eq else line):
+            if "\udc80" <= char <= "\udcff":
+                what = f"the byte 0x{ord(char) - 0xDC00:02x}, which is not UTF-8,"
+            elif unicodedata.category(char) == "Cc":
+                what = f"{CONTROL_NAMES.get(char, 'the control character')} ({repr(char)[1:-1]})"
+            else:
+                continue
+            where = (f"{key.lstrip('+~')} holds {what} at position {i} of its value {value!r}" if eq
+                     else f"the override {line!r} holds {what} at position {i}")
+            raise ConfigError(f"{where}: an override's value (a path, a name) may hold neither control characters "
+                              "nor bytes that are not UTF-8")
+
+
 def _value_text(override) -> str:
     try:
         return override.get_value_element_as_str()
@@ -85,12 +108,13 @@ def quoted_value(text: str) -> str:
 def check_command_line(
     overrides: list[str], config_dirs: list[str], multirun: bool, config_module: str, config_name: str | None = None
 ) -> None:
-    """What the command line alone shows: a missing --config-dir or --config-name, an override Hydra cannot
-    parse, a sweep without -m, a launcher or sweeper whose plugin is not installed, and a key the schema
+    """What the command line alone shows: a missing --config-dir or --config-name, an override holding a
+    control character or a byte that is not UTF-8, an override Hydra cannot parse, a sweep without -m, a launcher or sweeper whose plugin is not installed, and a key the schema
     does not have."""
     for d in config_dirs:
         if not Path(d).is_dir():
             raise ConfigError(f"--config-dir={d}: no such directory: give a directory that holds config group dirs (norm/, model/, ...)")
+    check_characters(overrides)
     parsed = _parse(overrides)
     try:
         loader = _loader(config_module, config_dirs)

@@ -80,6 +80,14 @@ def trained(cwd) -> list:
         (["+data.files=[a.txt]"], ["data.files is set, but data=stdlib does not read it", "add data=text"]),
         (["norm=rms", "norm.momentum=0.5"], ["norm=rms has no knob 'momentum'", "norm=batch"]),
         (["tokenizer.name=gpt2"], ["tokenizer=byte has no key name", "tokenizer=hf"]),
+        # a mapping or list where a group's option or a single value goes (Hydra: a TypeError, or its merge error)
+        (["norm={a: 1}"], ["norm={a:1}: norm is a config group: give the name of one of its options (batch, ",
+                           "not a mapping; to set norm.a, write norm.a=1"]),
+        (["model=[tiny]"], ["model=[tiny]: model is a config group", "options (", "tiny", "not a list"]),
+        (["wandb.tags={a: 1}"], ["wandb.tags={a: 1}: wandb.tags takes a list ([a,b]), not a mapping"]),
+        (["optim.betas={a: 1}"], ["optim.betas={a: 1}: optim.betas takes a list ([a,b]), not a mapping"]),
+        (["hydra.run.dir={a: 1}"], ["hydra.run.dir={a: 1}: hydra.run.dir cannot take a mapping: Cannot convert 'dict' to string"]),
+        (["seed={a: 1}"], ["seed={'a': 1}: must be an integer"]),
         # the command line's shape
         (["lr=1e-3,3e-3"], ["lr=1e-3,3e-3 is a sweep", "add -m"]),
         (["norm=rms,layer"], ["is a sweep", "add -m"]),

@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob
+from normlab.config.parse import override_text
 from normlab.config.packing import pack_groups
 from normlab.launch.machine import check_machine
 from normlab.launch.overrides import check_command_line, check_composition, quoted_value
@@ -120,10 +121,22 @@ def check_values(overrides, config_dirs: list[str]) -> None:
         for value in _plain_values(override):
             if key in CONFIG_GROUPS:
                 known = group_options(key, config_dirs)
+                if isinstance(value, (dict, list)):
+                    raise ConfigError(_not_an_option(key, value, known))
                 if value not in known:
                     raise ConfigError(f"{key}={value!r} is not a known option: choose one of {', '.join(sorted(known))}")
             else:
                 _check_value(key, value)
+
+
+def _not_an_option(key: str, value, known: set[str]) -> str:
+    """The refusal of a mapping or list given to config group `key`, which takes one option's name."""
+    line = (f"{key}={override_text(value)}: {key} is a config group: give the name of one of its options "
+            f"({', '.join(sorted(known))})")
+    if isinstance(value, list) or not value:
+        return f"{line}, not a {'list' if isinstance(value, list) else 'mapping'}"
+    named = ", ".join(f"{key}.{k}" for k in value)
+    return f"{line}, not a mapping; to set {named}, write {' '.join(f'{key}.{k}={override_text(v)}' for k, v in value.items())}"
 
 
 def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = False) -> list[str]:

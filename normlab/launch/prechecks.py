@@ -208,25 +208,12 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool, com
     naming the first bad job. A config Hydra itself cannot compose is left for Hydra to report when it runs.
     `composed`: configs already composed (overrides.check_composition's `by_job`), reused for the jobs they match.
     """
-    # The search path `normlab train` gets: the packaged conf/, then any --config-dir, as Hydra adds it.
-    search_path = create_config_search_path("pkg://" + CONFIG_MODULE)
-    for d in config_dirs:
-        search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
     plugins: dict[str, str] = {}  # a multirun's hydra/launcher and hydra/sweeper: choice, _target_
     try:
-        hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
+        hydra = _main_hydra(config_dirs)
         jobs = [list(overrides)]
         if multirun:
-            forced = _norm_knob_overrides(list(overrides))[1]
-            sweep_cfg = hydra.compose_config("config", forced, run_mode=RunMode.MULTIRUN, from_shell=True)
-            for plugin in ("launcher", "sweeper"):
-                plugins[plugin] = sweep_cfg.hydra.runtime.choices.get(f"hydra/{plugin}")
-                plugins[plugin + "_target"] = sweep_cfg.hydra[plugin].get("_target_")
-            params = [f"{k}={v}" for k, v in (sweep_cfg.hydra.sweeper.get("params") or {}).items()]
-            if sweep_cfg.hydra.sweeper.get("_target_") == BASIC_SWEEPER:
-                jobs = sweep_jobs(params + list(overrides), hydra.config_loader)
-            else:
-                jobs = _search_sweep_checks(OverridesParser.create(config_loader=hydra.config_loader), list(overrides), config_dirs)
+            jobs, plugins, _ = _listed_jobs(hydra, overrides, config_dirs)
         cfgs = [_check_job(hydra, job, config_dirs, multirun, RunConfig, composed or {}) for job in jobs]
     except ConfigError:
         raise
@@ -235,6 +222,31 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool, com
     finally:
         GlobalHydra.instance().clear()
     check_packing(cfgs, plugins)
+
+
+def _main_hydra(config_dirs: list[str]) -> Hydra:
+    """Hydra over the search path `normlab train` gets: the packaged conf/, then any --config-dir, as Hydra adds it."""
+    search_path = create_config_search_path("pkg://" + CONFIG_MODULE)
+    for d in config_dirs:
+        search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
+    return Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
+
+
+def _listed_jobs(hydra: Hydra, overrides: list[str], config_dirs: list[str]) -> tuple[list[list[str]], dict, bool]:
+    """A multirun's jobs as its sweeper makes them, its launcher and sweeper (choice and _target_ each), and
+    whether the jobs are a grid's (the basic sweeper's, a preset's hydra.sweeper.params first); for a search
+    sweeper, only the fixed part, its listed values checked one by one (_search_sweep_checks)."""
+    forced = _norm_knob_overrides(list(overrides))[1]
+    sweep_cfg = hydra.compose_config("config", forced, run_mode=RunMode.MULTIRUN, from_shell=True)
+    plugins = {}
+    for plugin in ("launcher", "sweeper"):
+        plugins[plugin] = sweep_cfg.hydra.runtime.choices.get(f"hydra/{plugin}")
+        plugins[plugin + "_target"] = sweep_cfg.hydra[plugin].get("_target_")
+    params = [f"{k}={v}" for k, v in (sweep_cfg.hydra.sweeper.get("params") or {}).items()]
+    if sweep_cfg.hydra.sweeper.get("_target_") == BASIC_SWEEPER:
+        return sweep_jobs(params + list(overrides), hydra.config_loader), plugins, True
+    parser = OverridesParser.create(config_loader=hydra.config_loader)
+    return _search_sweep_checks(parser, list(overrides), config_dirs), plugins, False
 
 
 def check_packing(cfgs: list, plugins: dict[str, str]) -> None:

@@ -140,6 +140,23 @@ def test_bad_input_gives_one_line_and_trains_nothing(tmp_path, monkeypatch, caps
 @pytest.mark.parametrize(
     "overrides, fragments",
     [
+        (["lr=1e-3,-1,2e-3"], ["lr=-1: must be a positive number (in the sweep's job 1 of jobs 0-2: lr=-1)"]),
+        (["norm=rms,layer", "lr=1e-3,-1"], ["(in the sweep's job 1 of jobs 0-3: norm=rms lr=-1, and 1 more job)"]),
+        (["norm=rms,foo", "lr=1e-3,3e-3"], ["norm='foo' is not a known option", "(in the sweep's job 2 of jobs 0-3: norm=foo "]),
+        (["lr=-1"], ["lr=-1: must be a positive number"]),  # in every job: no job to name
+    ],
+)
+def test_a_sweeps_bad_value_names_its_job_and_nothing_is_written(tmp_path, monkeypatch, capsys, overrides, fragments):
+    """Jobs are numbered from 0 as the sweep's job dirs and lines are, and named by the overrides that tell them apart."""
+    monkeypatch.chdir(tmp_path)
+    line = assert_one_line(normlab_here("train", "-m", *overrides, *TINY, capsys=capsys), *fragments)
+    assert ("(in the sweep's job" in line) == (len(overrides) > 1 or "," in overrides[0])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
         (["nrom=rms"], ["did you mean norm=rms?"]),  # refused before Hydra starts
         (["lr=1e-3", "-m", "norm=rms,layer"], ["put -m and other options before the overrides"]),  # by argparse
         (["hydra.run.dir=a_file/run"], ["a_file is a file, not a directory"]),  # by the run dir's check

@@ -1,22 +1,27 @@
 """`normlab sample`: print text from a trained model, as nanoGPT's sample.py does.
 
-    normlab sample RUN_DIR_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]
+    normlab sample RUN_DIR_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S] [--device D]
 
 The model is rebuilt from the configuration saved in the checkpoint and loaded with its weights
 (read safely: tensors and plain containers only). The tokenizer is the run's own: the
 `tokenizer.json` in the run dir when there is one, else the one its config names (a BPE is
 read from the token cache, or learned again, deterministically, from the same text).
+
+The prompt is the bytes typed: a byte-tokenizer run continues them as they are, UTF-8 or not (Python
+hands argv's other bytes over surrogate-escaped); a BPE or pretrained tokenizer reads UTF-8 text only.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
+from normlab.config.validate import DEVICES
 from normlab.util.errors import fail
 
-USAGE = "normlab sample RUN_DIR_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]"
+USAGE = "normlab sample RUN_DIR_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S] [--device D]"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,7 +42,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0: always the likeliest token")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens only")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--device", default="cpu", choices=DEVICES, help="cpu (default), cuda, or auto: cuda where there is one")
     try:
         args = parser.parse_args(argv)
         _check_args(args)
@@ -50,10 +55,12 @@ def main(argv: list[str]) -> int:
 def _check_args(args: argparse.Namespace) -> None:
     if args.tokens < 1:
         raise SampleError(f"--tokens={args.tokens}: must be an integer >= 1")
-    if not args.temperature >= 0:
-        raise SampleError(f"--temperature={args.temperature}: must be a number >= 0")
+    if not 0 <= args.temperature < math.inf:
+        raise SampleError(f"--temperature={args.temperature}: must be a finite number >= 0")
     if args.top_k is not None and args.top_k < 1:
         raise SampleError(f"--top-k={args.top_k}: must be an integer >= 1")
+    if not 0 <= args.seed < 2**32:  # the seeds `normlab train seed=` takes
+        raise SampleError(f"--seed={args.seed}: must be an integer between 0 and 2**32-1")
 
 
 def sample_text(path: str, prompt: str, n_tokens: int, temperature: float, top_k: int | None, seed: int,
@@ -63,9 +70,18 @@ def sample_text(path: str, prompt: str, n_tokens: int, temperature: float, top_k
     # and a bad argument answer at once.
     import torch
 
-    from normlab.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, run_dir_of
+    from normlab.config import ConfigError
     from normlab.data import DataError
+    from normlab.data.tokenizer import TokenizerError
+    from normlab.train.checkpoint import CHECKPOINT_DIR, Checkpoint, CheckpointError, find_checkpoint, run_dir_of
+    from normlab.train.runtime import check_device
 
+    try:
+        device = check_device(device, key="--device")  # the one line `normlab train device=cuda` gives
+    except ConfigError as err:
+        raise SampleError(str(err)) from None
+    if Path(path).name == CHECKPOINT_DIR and not (Path(path) / CHECKPOINT_DIR).is_dir():
+        path = str(Path(path).parent)  # a run's checkpoints dir: that run's newest checkpoint
     try:
         checkpoint = Checkpoint.load(find_checkpoint(path))
     except CheckpointError as err:
@@ -78,10 +94,14 @@ def sample_text(path: str, prompt: str, n_tokens: int, temperature: float, top_k
     except DataError as err:
         raise SampleError(f"cannot rebuild the run's tokenizer: {err}") from None
     model = _load_model(cfg, state, torch.device(device))
-    ids = tokenizer.encode(prompt or "\n").tolist()
+    try:
+        ids = tokenizer.encode(prompt or "\n").tolist()
+    except TokenizerError as err:
+        raise SampleError("--prompt" + str(err).removeprefix("the text")) from None
     generator = torch.Generator(device=device).manual_seed(seed)
     new = generate(model, ids, n_tokens, temperature, top_k, generator)
-    return prompt + tokenizer.decode(new)
+    # The prompt as typed, a byte that is not UTF-8 shown as U+FFFD, as the new bytes are decoded.
+    return prompt.encode("utf-8", "surrogateescape").decode("utf-8", errors="replace") + tokenizer.decode(new)
 
 
 def saved_config(payload: Mapping[str, Any]):

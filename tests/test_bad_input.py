@@ -80,10 +80,23 @@ def trained(cwd) -> list:
         (["+data.files=[a.txt]"], ["data.files is set, but data=stdlib does not read it", "add data=text"]),
         (["norm=rms", "norm.momentum=0.5"], ["norm=rms has no knob 'momentum'", "norm=batch"]),
         (["tokenizer.name=gpt2"], ["tokenizer=byte has no key name", "tokenizer=hf"]),
+        # a mapping or list where a group's option or a single value goes (Hydra: a TypeError, or its merge error)
+        (["norm={a: 1}"], ["norm={a:1}: norm is a config group: give the name of one of its options (batch, ",
+                           "not a mapping; to set norm.a, write norm.a=1"]),
+        (["model=[tiny]"], ["model=[tiny]: model is a config group", "options (", "tiny", "not a list"]),
+        (["wandb.tags={a: 1}"], ["wandb.tags={a: 1}: wandb.tags takes a list ([a,b]), not a mapping"]),
+        (["optim.betas={a: 1}"], ["optim.betas={a: 1}: optim.betas takes a list ([a,b]), not a mapping"]),
+        (["hydra.run.dir={a: 1}"], ["hydra.run.dir={a: 1}: hydra.run.dir cannot take a mapping: Cannot convert 'dict' to string"]),
+        (["seed={a: 1}"], ["seed={'a': 1}: must be an integer"]),
         # the command line's shape
         (["lr=1e-3,3e-3"], ["lr=1e-3,3e-3 is a sweep", "add -m"]),
         (["norm=rms,layer"], ["is a sweep", "add -m"]),
         (["lr=[1e-3"], ["not an override normlab can read", "key=value"]),
+        # a character no path or name holds (Hydra: its grammar's error over two lines, blaming what follows)
+        (["hydra.run.dir=run\nb"], ["hydra.run.dir holds a newline (\\n) at position 3 of its value 'run\\nb'",
+                                     "may hold neither control characters nor bytes that are not UTF-8"]),
+        (["name=a\tb"], ["name holds a tab (\\t) at position 1"]),
+        (["hydra.run.dir=run\udcff"], ["hydra.run.dir holds the byte 0xff, which is not UTF-8, at position 3"]),
         (["--config-dir", "no/such/dir"], ["--config-dir=no/such/dir: no such directory"]),
         (["--config-name", "nope"], ["--config-name=nope: no such config", "config"]),
         (["lr=1e-3", "-m", "norm=rms,layer"], ["unrecognized arguments", "put -m and other options before the overrides"]),
@@ -122,6 +135,23 @@ def test_bad_input_gives_one_line_and_trains_nothing(tmp_path, monkeypatch, caps
     result = normlab_here("train", *overrides, *TINY, capsys=capsys)
     assert_one_line(result, *fragments)
     assert not trained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (["lr=1e-3,-1,2e-3"], ["lr=-1: must be a positive number (in the sweep's job 1 of jobs 0-2: lr=-1)"]),
+        (["norm=rms,layer", "lr=1e-3,-1"], ["(in the sweep's job 1 of jobs 0-3: norm=rms lr=-1, and 1 more job)"]),
+        (["norm=rms,foo", "lr=1e-3,3e-3"], ["norm='foo' is not a known option", "(in the sweep's job 2 of jobs 0-3: norm=foo "]),
+        (["lr=-1"], ["lr=-1: must be a positive number"]),  # in every job: no job to name
+    ],
+)
+def test_a_sweeps_bad_value_names_its_job_and_nothing_is_written(tmp_path, monkeypatch, capsys, overrides, fragments):
+    """Jobs are numbered from 0 as the sweep's job dirs and lines are, and named by the overrides that tell them apart."""
+    monkeypatch.chdir(tmp_path)
+    line = assert_one_line(normlab_here("train", "-m", *overrides, *TINY, capsys=capsys), *fragments)
+    assert ("(in the sweep's job" in line) == (len(overrides) > 1 or "," in overrides[0])
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -40,10 +40,10 @@ def test_sample_prints_the_prompt_and_new_text(run_dir, capsys):
 def test_sample_is_reproducible_per_seed_and_reads_a_checkpoint_file(run_dir, capsys):
     checkpoint = sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1]
     outputs = []
-    for path, seed in ((run_dir, 3), (checkpoint, 3), (run_dir, 4)):
+    for path, seed in ((run_dir, 3), (checkpoint, 3), (run_dir, 4), (run_dir / "checkpoints", 3)):
         assert main(["sample", str(path), "--tokens", "60", "--seed", str(seed), "--temperature", "1.5"]) == 0
         outputs.append(capsys.readouterr().out)
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[3]  # the run dir, its newest checkpoint, its checkpoints dir
     assert outputs[0] != outputs[2]
 
 
@@ -61,8 +61,15 @@ def test_temperature_zero_is_greedy_and_top_k_one_equals_it(run_dir, capsys):
         (["{tmp}"], "no checkpoint in"),
         (["{tmp}/junk.pt"], "not written by normlab"),
         (["{run}", "--tokens", "0"], "--tokens=0: must be an integer >= 1"),
-        (["{run}", "--temperature", "-1"], "--temperature=-1.0: must be a number >= 0"),
+        (["{run}", "--temperature", "-1"], "--temperature=-1.0: must be a finite number >= 0"),
         (["{run}", "--tokens", "many"], "invalid int value"),
+        (["{run}", "--tokens", "-3"], "--tokens=-3: must be an integer >= 1"),
+        (["{run}", "--temperature", "inf"], "--temperature=inf: must be a finite number >= 0"),
+        (["{run}", "--temperature", "nan"], "--temperature=nan: must be a finite number >= 0"),
+        (["{run}", "--top-k", "0"], "--top-k=0: must be an integer >= 1"),
+        (["{run}", "--seed", "99999999999999999999"], "--seed=99999999999999999999: must be an integer between 0 and 2**32-1"),
+        (["{run}", "--seed", "-1"], "--seed=-1: must be an integer between 0 and 2**32-1"),
+        (["{run}", "--device", "gpu"], "argument --device: invalid choice: 'gpu' (choose from 'auto', 'cpu', 'cuda')"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys, args, message):
@@ -71,6 +78,40 @@ def test_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys, args, messa
     assert main(["sample", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("normlab: error: ") and err.count("\n") == 1 and message in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_the_one_line_train_gives(run_dir, capsys):
+    assert main(["sample", str(run_dir), "--device", "cuda", "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    # normlab train device=cuda says the same, with its own spelling of the setting (normlab.train.runtime.check_device)
+    assert err.startswith("normlab: error: --device=cuda, but torch sees no CUDA device here (torch ")
+    assert err.rstrip().endswith("use --device=cpu, or --device=auto to take CUDA when there is one")
+
+
+def test_auto_device_samples_where_torch_computes(run_dir, capsys):
+    assert main(["sample", str(run_dir), "--device", "auto", "--tokens", "5", "--seed", "1", "--temperature", "0"]) == 0
+    auto = capsys.readouterr().out
+    assert main(["sample", str(run_dir), "--tokens", "5", "--seed", "1", "--temperature", "0"]) == 0
+    assert len(auto) > 5 and (__import__("torch").cuda.is_available() or auto == capsys.readouterr().out)
+
+
+def test_a_byte_run_takes_the_prompts_raw_bytes(run_dir, capsys):
+    """Bytes that are not UTF-8 reach Python's argv surrogate-escaped ('\\xff' as '\\udcff'): a byte-tokenizer
+    run continues the very bytes typed, and the prompt is echoed with U+FFFD where a byte is not UTF-8."""
+    import torch
+
+    from normlab.sample import model_state, saved_config, _load_model
+    from normlab.train.checkpoint import Checkpoint, find_checkpoint
+
+    prompt = "def \udcff\udcfe"
+    assert main(["sample", str(run_dir), "--prompt", prompt, "--tokens", "8", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    payload = Checkpoint.load(find_checkpoint(str(run_dir))).payload
+    model = _load_model(saved_config(payload), model_state(payload), torch.device("cpu"))
+    new = generate(model, [*b"def ", 0xFF, 0xFE], 8, 0.0, None, torch.Generator())
+    assert out == "def \ufffd\ufffd" + bytes(new).decode("utf-8", errors="replace") + "\n"
 
 
 def test_generate_conditions_on_at_most_the_context():
@@ -98,10 +139,8 @@ def test_help_lists_sample_and_sample_help_needs_no_torch():
     assert result.stdout.rstrip().endswith("torch-free")
 
 
-def test_sample_decodes_with_the_runs_bpe(tmp_path, capsys):
-    """A checkpoint of a BPE run (written by hand here): the sample is decoded with the same BPE, found in the cache."""
-    import torch
-
+def bpe_run(tmp_path):
+    """A checkpoint of a BPE run, written by hand: its path, config, payload and corpus."""
     from normlab.train import checkpoint
     from normlab.config import DataConfig, RunConfig, TokenizerConfig, flatten_config
     from normlab.data import load_corpus
@@ -117,6 +156,25 @@ def test_sample_decodes_with_the_runs_bpe(tmp_path, capsys):
                "callbacks": {}, "rng": {}, "config": flatten_config(cfg)}
     path = checkpoint.checkpoint_path(tmp_path / "run", 0)
     checkpoint.write_atomic(path, payload)
+    return path, cfg, payload, corpus
+
+
+def test_a_bpe_run_refuses_a_prompt_that_is_not_utf8_in_one_line(tmp_path, capsys):
+    path = bpe_run(tmp_path)[0]
+    assert main(["sample", str(path), "--prompt", "def \udcff\udcfe", "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("normlab: error: --prompt is not UTF-8: the byte 0xff at position 4")
+    assert "tokenizer=bpe" in err and "a byte-tokenizer run takes any bytes" in err
+
+
+def test_sample_decodes_with_the_runs_bpe(tmp_path, capsys):
+    """A checkpoint of a BPE run (written by hand here): the sample is decoded with the same BPE, found in the cache."""
+    import torch
+
+    from normlab.nn.model import GPT
+
+    path, cfg, payload, corpus = bpe_run(tmp_path)
     assert main(["sample", str(path), "--prompt", "def", "--tokens", "5", "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     model = GPT(cfg).eval()

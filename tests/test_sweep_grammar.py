@@ -67,8 +67,9 @@ def test_experiment_preset_with_plus_is_the_same_preset(tmp_path, monkeypatch, c
 @pytest.mark.parametrize(
     "sweep, message",
     [
-        # glob expands to every norm, none among them: a job the sweeper makes is refused, named.
-        (["norm=glob(*,exclude=batch*)", "placement=deepnorm"], "norm=none placement=deepnorm)"),
+        # glob expands to every norm, none among them: a job the sweeper makes is refused, named by its
+        # number and the override that tells it from the others (placement=deepnorm is every job's).
+        (["norm=glob(*,exclude=batch*)", "placement=deepnorm"], "(in the sweep's job 6 of jobs 0-9: norm=none)"),
         (["seq_len=16,512"], "seq_len=512 is larger than the model's context"),
         (["lr=interval(1e-4,1e-1)"], "lr=interval(1e-4,1e-1): BasicSweeper does not support sweep type"),
     ],

@@ -38,6 +38,16 @@ def test_byte_tokenizer_is_the_identity_on_bytes():
     assert tok.vocab_size == 256 and tok.token_bytes.sum() == 256
 
 
+def test_a_surrogate_escaped_byte_is_that_byte_to_the_byte_tokenizer_and_refused_in_one_line_by_a_bpe(bpe):
+    """'\\udcff' is how Python hands over the byte 0xff of argv or a file name that is not UTF-8."""
+    assert ByteTokenizer().encode("def \udcff\udcfe").tolist() == [*b"def ", 0xFF, 0xFE]
+    with pytest.raises(TokenizerError, match=r"^the text is not UTF-8: the byte 0xff at position 4; tokenizer=bpe "):
+        bpe.encode("def \udcff\udcfe")
+    for tok in (ByteTokenizer(), bpe):  # a surrogate that escapes no byte is no text at all
+        with pytest.raises(TokenizerError, match=r"the lone surrogate U\+D800 at position 1, which is neither"):
+            tok.encode("a\ud800")
+
+
 def test_bpe_has_the_asked_vocabulary_and_round_trips(bpe):
     assert bpe.vocab_size == 300
     ids = bpe.encode(SAMPLE.encode())

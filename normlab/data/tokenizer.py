@@ -79,7 +79,12 @@ class ByteTokenizer(Tokenizer):
         self.token_bytes = np.ones(BYTE_VOCAB, dtype=np.int64)
 
     def encode(self, data: bytes | str) -> np.ndarray:
-        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        """The bytes of `data`: a str's UTF-8, where a surrogate-escaped byte ('\\udcff', as Python passes
+        bytes of argv or a file name that are not UTF-8) is that raw byte."""
+        try:
+            raw = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else bytes(data)
+        except UnicodeEncodeError:
+            raise not_utf8(data, self.kind) from None
         return np.frombuffer(raw, dtype=np.uint8).copy()
 
     def decode(self, ids) -> str:
@@ -104,7 +109,12 @@ class HFTokenizer(Tokenizer):
         pieces = list(newline_chunks(text))
         if not pieces:
             return np.zeros(0, dtype=self.dtype)
-        encodings = self.backend.encode_batch_fast(pieces, add_special_tokens=False)
+        try:
+            encodings = self.backend.encode_batch_fast(pieces, add_special_tokens=False)
+        except TypeError:  # what `tokenizers` says of a str that holds a surrogate, which is not text
+            if any("\ud800" <= c <= "\udfff" for c in text):
+                raise not_utf8(text, self.kind) from None
+            raise
         return np.concatenate([np.asarray(e.ids, dtype=self.dtype) for e in encodings])
 
     def decode(self, ids) -> str:
@@ -113,6 +123,17 @@ class HFTokenizer(Tokenizer):
     def save(self, path: str | os.PathLike) -> None:
         """Write the tokenizer's definition (tokenizer.json format) to `path`."""
         self.backend.save(str(path))
+
+
+def not_utf8(text: str, kind: str) -> TokenizerError:
+    """The one-line refusal of `text` holding a surrogate, by a tokenizer of `kind`: a surrogate-escaped byte
+    is a byte that is not UTF-8, which only the byte tokenizer takes; any other surrogate stands for no byte."""
+    i, char = next((i, c) for i, c in enumerate(text) if "\ud800" <= c <= "\udfff")
+    if kind == "byte" or not "\udc80" <= char <= "\udcff":
+        return TokenizerError(f"the text holds the lone surrogate U+{ord(char):04X} at position {i}, "
+                              "which is neither UTF-8 text nor an escaped byte")
+    return TokenizerError(f"the text is not UTF-8: the byte 0x{ord(char) - 0xDC00:02x} at position {i}; tokenizer={kind} "
+                          "reads UTF-8 text only (a byte-tokenizer run takes any bytes)")
 
 
 def newline_chunks(text: str, size: int = _CHUNK_CHARS) -> Iterator[str]:

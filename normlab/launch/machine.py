@@ -64,21 +64,6 @@ def physical_memory() -> int | None:
         return None
 
 
-def check_device(name: str) -> str:
-    """The device type a run of `device=name` trains on ('cpu' or 'cuda'); ConfigError if it is not here."""
-    import torch  # seconds to import: only for the device check, not for `normlab train --help`
-
-    if name == "cuda" and not torch.cuda.is_available():
-        built = torch.version.cuda or "no CUDA"
-        raise ConfigError(
-            f"device=cuda, but torch sees no CUDA device here (torch {torch.__version__}, built for {built}): "
-            "use device=cpu, or device=auto to take CUDA when there is one"
-        )
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
 def check_memory(cfgs: list[RunConfig], device: str, units: list[list[int]] | None = None) -> None:
     """ConfigError if a run's estimated memory exceeds what `device` ('cpu' or 'cuda') has. `units`: the
     runs that train together in one process, as positions in `cfgs` (a pack's members: their estimates
@@ -155,6 +140,8 @@ def check_machine(composed: list, multirun: bool, local: bool, units_of=None) ->
         with open_dict(cfg):
             del cfg["hydra"]
         cfgs.append(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True), validate=False))
+    from normlab.train.runtime import check_device  # torch: seconds to import, not for `normlab train --help`
+
     for device in sorted({cfg.device for cfg in cfgs}):
         if multirun and device == "cuda" and not _has_cuda():
             continue  # in a sweep, that job fails alone and the sweep goes on, as any failing job does

@@ -10,9 +10,13 @@ line that says what is allowed. Both raise ConfigError. Keys are checked against
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
+import unicodedata
 from pathlib import Path
+from types import UnionType
+from typing import Union, get_args, get_origin, get_type_hints
 
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import create_config_search_path
@@ -23,7 +27,7 @@ from hydra.errors import OverrideParseException
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from normlab.config import NORM_TRAITS, ConfigError, check_norm_knob, schema_keys, unknown_key_message
+from normlab.config import NORM_TRAITS, ConfigError, RunConfig, check_norm_knob, schema_keys, unknown_key_message
 
 # Hydra plugins by the group options that need them: (the plugin's module, normlab's pip extra).
 PLUGINS = {
@@ -62,6 +66,28 @@ def _parse(overrides: list[str]) -> list:
     return parsed
 
 
+CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL", "\x1b": "an escape"}
+
+
+def check_characters(overrides: list[str]) -> None:
+    """ConfigError (one line, the text escaped) for an override holding a control character, or a byte that
+    is not UTF-8 (argv's surrogate escape): Hydra's grammar stops at either with several lines, where a
+    newline in hydra.run.dir is a path no one meant."""
+    for line in overrides:
+        key, eq, value = line.partition("=")
+        for i, char in enumerate(value if eq else line):
+            if "\udc80" <= char <= "\udcff":
+                what = f"the byte 0x{ord(char) - 0xDC00:02x}, which is not UTF-8,"
+            elif unicodedata.category(char) == "Cc":
+                what = f"{CONTROL_NAMES.get(char, 'the control character')} ({repr(char)[1:-1]})"
+            else:
+                continue
+            where = (f"{key.lstrip('+~')} holds {what} at position {i} of its value {value!r}" if eq
+                     else f"the override {line!r} holds {what} at position {i}")
+            raise ConfigError(f"{where}: an override's value (a path, a name) may hold neither control characters "
+                              "nor bytes that are not UTF-8")
+
+
 def _value_text(override) -> str:
     try:
         return override.get_value_element_as_str()
@@ -85,12 +111,13 @@ def quoted_value(text: str) -> str:
 def check_command_line(
     overrides: list[str], config_dirs: list[str], multirun: bool, config_module: str, config_name: str | None = None
 ) -> None:
-    """What the command line alone shows: a missing --config-dir or --config-name, an override Hydra cannot
-    parse, a sweep without -m, a launcher or sweeper whose plugin is not installed, and a key the schema
-    does not have."""
+    """What the command line alone shows: a missing --config-dir or --config-name, an override holding a
+    control character or a byte that is not UTF-8, an override Hydra cannot parse, a sweep without -m, a
+    launcher or sweeper whose plugin is not installed, and a key the schema does not have."""
     for d in config_dirs:
         if not Path(d).is_dir():
             raise ConfigError(f"--config-dir={d}: no such directory: give a directory that holds config group dirs (norm/, model/, ...)")
+    check_characters(overrides)
     parsed = _parse(overrides)
     try:
         loader = _loader(config_module, config_dirs)
@@ -193,8 +220,42 @@ def _explain(err: Exception, job: list[str], parsed: list, loader, groups: set[s
             return f"{line}: {group}={chosen} has no key {leaf}; {where}"
         if f"An item is already at '{key}'" in message:
             return f"{line}: {key} is already in the config: write {line.lstrip('+')} (without +) to change it"
+        if message.startswith(f"Error merging override {line}"):
+            return _unmergeable(override, err)
     first = next((ln.strip() for ln in message.splitlines() if ln.strip()), type(err).__name__)
     return f"could not compose the config of `normlab train {' '.join(job)}`: {first}"
+
+
+TYPE_TEXT = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list ([a,b])"}
+
+
+def _unmergeable(override, err: Exception) -> str:
+    """One line for a value Hydra cannot merge into its key (a mapping where a list or a string goes): what the
+    key takes, from the schema's type, else Hydra's reason."""
+    key, line = override.key_or_group, override.input_line
+    try:
+        value = override.value()
+    except Exception:  # a sweep: no single value
+        value = None
+    given = {dict: "mapping", list: "list", type(None): "null value"}.get(type(value), type(value).__name__)
+    takes = _schema_type_text(key)
+    if takes:
+        return f"{line}: {key} takes {takes}, not a {given}"
+    reason = next((ln.strip() for ln in str(err.__cause__ or err).splitlines() if ln.strip()), type(err).__name__)
+    return f"{line}: {key} cannot take a {given}: {reason}"
+
+
+def _schema_type_text(key: str) -> str | None:
+    """What the schema's key `key` takes, in words (a string, an integer or null, ...); None for a key not in it."""
+    node: object = RunConfig
+    for part in key.split("."):
+        hints = get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        if part not in hints:
+            return None
+        node = hints[part]
+    kinds = [get_origin(t) or t for t in (get_args(node) if get_origin(node) in (Union, UnionType) else (node,))]
+    words = [TYPE_TEXT[t] for t in kinds if t in TYPE_TEXT] + (["null"] if type(None) in kinds else [])
+    return " or ".join(words) or None
 
 
 def _option_has(loader, group: str, option: str, leaf: str) -> bool:

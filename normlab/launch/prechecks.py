@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob
+from normlab.config.parse import override_text
 from normlab.config.packing import pack_groups
 from normlab.launch.machine import check_machine
 from normlab.launch.overrides import check_command_line, check_composition, quoted_value
@@ -111,20 +112,72 @@ def _plain_values(override) -> list:
         return []
 
 
-def check_values(overrides, config_dirs: list[str]) -> None:
+def check_values(overrides, config_dirs: list[str], job_of=None) -> None:
     """Reject unknown config-group options and bad top-level values among parsed `overrides`
-    (their plain values; see _plain_values). Raises ConfigError naming the value and what is allowed."""
+    (their plain values; see _plain_values). Raises ConfigError naming the value and what is allowed,
+    and for a swept value, `job_of(key, value)`'s words for the jobs it is in (a multirun's: job_label)."""
     for override in overrides:
         key = override.key_or_group
         if override.is_delete() or key == "resume":
             continue
         for value in _plain_values(override):
-            if key in CONFIG_GROUPS:
-                known = group_options(key, config_dirs)
-                if value not in known:
-                    raise ConfigError(f"{key}={value!r} is not a known option: choose one of {', '.join(sorted(known))}")
-            else:
-                _check_value(key, value)
+            try:
+                _check_one(key, value, config_dirs)
+            except ConfigError as err:
+                where = job_of(key, value) if job_of is not None and override.is_sweep_override() else ""
+                raise ConfigError(f"{err}{where}") from None
+
+
+def _check_one(key: str, value, config_dirs: list[str]) -> None:
+    if key in CONFIG_GROUPS:
+        known = group_options(key, config_dirs)
+        if isinstance(value, (dict, list)):
+            raise ConfigError(_not_an_option(key, value, known))
+        if value not in known:
+            raise ConfigError(f"{key}={value!r} is not a known option: choose one of {', '.join(sorted(known))}")
+    else:
+        _check_value(key, value)
+
+
+def job_label(num: int, jobs: list[list[str]], more: int = 0) -> str:
+    """` (in the sweep's job 1 of jobs 0-2: lr=-1)`: job `num` of a multirun's `jobs` (override lists, in
+    Hydra's order, numbered from 0 as the job dirs and the sweep's lines are) by the overrides that tell
+    the jobs apart (all of them where nothing does); `more`: how many later jobs the refusal also holds for."""
+    settings: dict[str, set[str]] = {}
+    for job in jobs:
+        for o in job:
+            settings.setdefault(o.split("=", 1)[0], set()).add(o)
+    varying = {key for key, given in settings.items() if len(given) > 1}
+    shown = [o for o in jobs[num] if o.split("=", 1)[0] in varying] or jobs[num]
+    also = f", and {more} more job{'s' if more > 1 else ''}" if more else ""
+    return f" (in the sweep's job {num} of jobs 0-{len(jobs) - 1}: {' '.join(shown)}{also})"
+
+
+def _job_of(overrides: list[str], config_dirs: list[str]):
+    """`job_of(key, value)` for check_values: the label of the first job of the multirun `overrides` that sets
+    `key` to `value`, with the jobs listed as Hydra's sweeper will (a preset's sweeps included) only when
+    a value is refused."""
+    def job_of(key: str, value) -> str:
+        try:
+            jobs, _, grid = sweep_plan(overrides, config_dirs)
+        except Exception:  # a config the sweeper's listing cannot compose: the value alone is named
+            return ""
+        parser = OverridesParser.create()
+        having = [n for n, job in enumerate(jobs)
+                  if any(o.key_or_group == key and o.value() == value for o in parser.parse_overrides(job))]
+        return job_label(having[0], jobs, len(having) - 1) if having and grid else ""
+
+    return job_of
+
+
+def _not_an_option(key: str, value, known: set[str]) -> str:
+    """The refusal of a mapping or list given to config group `key`, which takes one option's name."""
+    line = (f"{key}={override_text(value)}: {key} is a config group: give the name of one of its options "
+            f"({', '.join(sorted(known))})")
+    if isinstance(value, list) or not value:
+        return f"{line}, not a {'list' if isinstance(value, list) else 'mapping'}"
+    named = ", ".join(f"{key}.{k}" for k in value)
+    return f"{line}, not a mapping; to set {named}, write {' '.join(f'{key}.{k}={override_text(v)}' for k, v in value.items())}"
 
 
 def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = False) -> list[str]:
@@ -138,7 +191,7 @@ def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = Fals
     from normlab.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_newest, run_dir_of
 
     parsed = OverridesParser.create().parse_overrides(overrides)
-    check_values(parsed, config_dirs)
+    check_values(parsed, config_dirs, _job_of(overrides, config_dirs) if multirun else None)
     extra: list[str] = []
     for override in (o for o in parsed if o.key_or_group == "resume" and not o.is_delete()):
         values = _plain_values(override)
@@ -197,26 +250,19 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool, com
     naming the first bad job. A config Hydra itself cannot compose is left for Hydra to report when it runs.
     `composed`: configs already composed (overrides.check_composition's `by_job`), reused for the jobs they match.
     """
-    # The search path `normlab train` gets: the packaged conf/, then any --config-dir, as Hydra adds it.
-    search_path = create_config_search_path("pkg://" + CONFIG_MODULE)
-    for d in config_dirs:
-        search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
     plugins: dict[str, str] = {}  # a multirun's hydra/launcher and hydra/sweeper: choice, _target_
     try:
-        hydra = Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
-        jobs = [list(overrides)]
+        hydra = _main_hydra(config_dirs)
+        jobs, grid = [list(overrides)], False
         if multirun:
-            forced = _norm_knob_overrides(list(overrides))[1]
-            sweep_cfg = hydra.compose_config("config", forced, run_mode=RunMode.MULTIRUN, from_shell=True)
-            for plugin in ("launcher", "sweeper"):
-                plugins[plugin] = sweep_cfg.hydra.runtime.choices.get(f"hydra/{plugin}")
-                plugins[plugin + "_target"] = sweep_cfg.hydra[plugin].get("_target_")
-            params = [f"{k}={v}" for k, v in (sweep_cfg.hydra.sweeper.get("params") or {}).items()]
-            if sweep_cfg.hydra.sweeper.get("_target_") == BASIC_SWEEPER:
-                jobs = sweep_jobs(params + list(overrides), hydra.config_loader)
-            else:
-                jobs = _search_sweep_checks(OverridesParser.create(config_loader=hydra.config_loader), list(overrides), config_dirs)
-        cfgs = [_check_job(hydra, job, config_dirs, multirun, RunConfig, composed or {}) for job in jobs]
+            jobs, plugins, grid = _listed_jobs(hydra, overrides, config_dirs)
+        cfgs = []
+        for num, job in enumerate(jobs):
+            try:
+                cfgs.append(_check_job(hydra, job, config_dirs, RunConfig, composed or {}))
+            except ConfigError as err:
+                where = job_label(num, jobs) if grid else " (in each of the sweep's trials)" if multirun else ""
+                raise ConfigError(f"{err}{where}") from None
     except ConfigError:
         raise
     except Exception:
@@ -224,6 +270,39 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool, com
     finally:
         GlobalHydra.instance().clear()
     check_packing(cfgs, plugins)
+
+
+def _main_hydra(config_dirs: list[str]) -> Hydra:
+    """Hydra over the search path `normlab train` gets: the packaged conf/, then any --config-dir, as Hydra adds it."""
+    search_path = create_config_search_path("pkg://" + CONFIG_MODULE)
+    for d in config_dirs:
+        search_path.prepend("command-line", f"file://{Path(d).absolute()}", anchor=SearchPathQuery(provider="schema"))
+    return Hydra.create_main_hydra2(task_name="normlab", config_search_path=search_path)
+
+
+def _listed_jobs(hydra: Hydra, overrides: list[str], config_dirs: list[str]) -> tuple[list[list[str]], dict, bool]:
+    """A multirun's jobs as its sweeper makes them, its launcher and sweeper (choice and _target_ each), and
+    whether the jobs are a grid's (the basic sweeper's, a preset's hydra.sweeper.params first); for a search
+    sweeper, only the fixed part, its listed values checked one by one (_search_sweep_checks)."""
+    forced = _norm_knob_overrides(list(overrides))[1]
+    sweep_cfg = hydra.compose_config("config", forced, run_mode=RunMode.MULTIRUN, from_shell=True)
+    plugins = {}
+    for plugin in ("launcher", "sweeper"):
+        plugins[plugin] = sweep_cfg.hydra.runtime.choices.get(f"hydra/{plugin}")
+        plugins[plugin + "_target"] = sweep_cfg.hydra[plugin].get("_target_")
+    params = [f"{k}={v}" for k, v in (sweep_cfg.hydra.sweeper.get("params") or {}).items()]
+    if sweep_cfg.hydra.sweeper.get("_target_") == BASIC_SWEEPER:
+        return sweep_jobs(params + list(overrides), hydra.config_loader), plugins, True
+    parser = OverridesParser.create(config_loader=hydra.config_loader)
+    return _search_sweep_checks(parser, list(overrides), config_dirs), plugins, False
+
+
+def sweep_plan(overrides: list[str], config_dirs: list[str]) -> tuple[list[list[str]], dict, bool]:
+    """_listed_jobs of the multirun `overrides`, on a Hydra of its own."""
+    try:
+        return _listed_jobs(_main_hydra(config_dirs), overrides, config_dirs)
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def check_packing(cfgs: list, plugins: dict[str, str]) -> None:
@@ -264,18 +343,14 @@ def _norm_knob_overrides(job: list[str]) -> tuple[list[tuple[str, str]], list[st
     return knobs, forced
 
 
-def _check_job(hydra, job: list[str], config_dirs: list[str], multirun: bool, run_config, composed: dict):
+def _check_job(hydra, job: list[str], config_dirs: list[str], run_config, composed: dict):
     """Check one job's values, compose its config (or take it from `composed`, by the overrides it was
-    composed with) and validate it; returns its RunConfig. ConfigError names the job in a sweep."""
-    where = f" (in the sweep's job {' '.join(job)})" if multirun else ""
-    try:
-        check_values(OverridesParser.create().parse_overrides(job), config_dirs)
-        knobs, forced = _norm_knob_overrides(job)
-        cfg = composed.get(tuple(forced)) or hydra.compose_config("config", forced, run_mode=RunMode.RUN, from_shell=True)
-        raw = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True)
-        if raw.get("norm", {}).get("name") in NORM_TRAITS:
-            for knob, value in knobs:
-                check_norm_knob(raw["norm"]["name"], knob, value)
-        return run_config.from_dict(raw)
-    except ConfigError as err:
-        raise ConfigError(f"{err}{where}") from None
+    composed with) and validate it; returns its RunConfig."""
+    check_values(OverridesParser.create().parse_overrides(job), config_dirs)
+    knobs, forced = _norm_knob_overrides(job)
+    cfg = composed.get(tuple(forced)) or hydra.compose_config("config", forced, run_mode=RunMode.RUN, from_shell=True)
+    raw = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True)
+    if raw.get("norm", {}).get("name") in NORM_TRAITS:
+        for knob, value in knobs:
+            check_norm_knob(raw["norm"]["name"], knob, value)
+    return run_config.from_dict(raw)

@@ -17,7 +17,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from normlab.config import RunConfig
+from normlab.config import ConfigError, RunConfig
+
+
+def check_device(name: str, key: str = "device") -> str:
+    """The device type `name` ('auto', 'cpu' or 'cuda') computes on here ('cpu' or 'cuda'); ConfigError (one
+    line, naming the setting as `key`: device, --device) for CUDA where torch sees none."""
+    if name == "cuda" and not torch.cuda.is_available():
+        built = torch.version.cuda or "no CUDA"
+        raise ConfigError(
+            f"{key}=cuda, but torch sees no CUDA device here (torch {torch.__version__}, built for {built}): "
+            f"use {key}=cpu, or {key}=auto to take CUDA when there is one"
+        )
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 def resolve_device(name: str) -> torch.device:

@@ -37,8 +37,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from normlab.config import ALPHA_PARAMS, GAIN_PARAMS
 from normlab.keys import layer_key, layer_label, parse
+from normlab.train.probe_norms import norm_modules, norm_parameter_stats
 from normlab.train.probe_stats import (
     attention_stats,
     block_angle_sum,
@@ -59,10 +59,6 @@ from normlab.train.probe_stats import (
 # expensive statistics.
 PROBE_SEQS = 8
 
-# The norm registry names the parameters whose mean and std are a norm's gain (GAIN_PARAMS), and
-# DyT's scalar α, reported as norm/alpha: one name for every norm that has one.
-(ALPHA_PARAM,) = ALPHA_PARAMS
-
 
 def _as_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
     """Queries or keys as (B, n_head, T, head_dim): a QK-norm over the whole projection sees them as (B, T, C)."""
@@ -70,11 +66,6 @@ def _as_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
         return x
     B, T, C = x.shape
     return x.reshape(B, T, n_head, C // n_head).transpose(1, 2)
-
-
-def _is_norm_slot(name: str, module: nn.Module) -> bool:
-    # Slots are named norm1, norm2, norm1_out, ... in every arm; an unused slot is an nn.Identity.
-    return name.startswith("norm") and not isinstance(module, nn.Identity)
 
 
 class Probe:
@@ -96,7 +87,7 @@ class Probe:
         depth = len(model.blocks)
         self.labels = [layer_label(i, depth) for i in range(depth)]
         self._params, self._groups = self._param_groups()
-        self._norms = self._norm_modules()
+        self._norms = norm_modules(model, self.labels)
         self._reset()
 
     def _reset(self) -> None:
@@ -142,20 +133,6 @@ class Probe:
                 groups.setdefault(f"{label}/{part}", []).extend(ids(p for p in child.parameters() if id(p) not in qk))
                 groups.setdefault(f"{label}/norms", []).extend(ids(p for norm in qk_norms for p in norm.parameters()))
         return params, {loc: members for loc, members in groups.items() if members}
-
-    def _norm_modules(self) -> dict[str, nn.Module]:
-        """Every norm that is not an identity, by location: 'L03/norm1', ..., 'L03/q_norm', 'L03/k_norm', 'norm_f'."""
-        norms = {}
-        for label, block in zip(self.labels, self.model.blocks):
-            for name, child in block.named_children():
-                if _is_norm_slot(name, child):
-                    norms[f"{label}/{name}"] = child
-            for name in ("q_norm", "k_norm"):  # QK-norm, one module shared by the heads
-                if not isinstance(getattr(block.attn, name), nn.Identity):
-                    norms[f"{label}/{name}"] = getattr(block.attn, name)
-        if _is_norm_slot("norm_f", self.model.norm_f):
-            norms["norm_f"] = self.model.norm_f
-        return norms
 
     def _update_members(self, loc: str, members: list[int]) -> list[int]:
         """The parameters of update_ratio/<loc>: a whole block's figure ('L03') is over its sublayers'
@@ -294,16 +271,10 @@ class Probe:
         self._before = torch.cat([p.detach().reshape(-1) for p in self._params])
         self._weight_norms = l2_norms(list(self._params))
         for loc, norm in self._norms.items():
-            for name, param in norm.named_parameters(recurse=False):
-                if name in GAIN_PARAMS:
-                    gain = param.detach().float()
-                    self._scalars[f"norm/gain_mean/{loc}"] = gain.mean()
-                    self._scalars[f"norm/gain_std/{loc}"] = gain.std(correction=0)
-                elif name == ALPHA_PARAM:
-                    self._scalars[f"norm/alpha/{loc}"] = param.detach().float().mean()
+            params = ((name, p.unsqueeze(0)) for name, p in norm.named_parameters(recurse=False))
             running_var = getattr(norm, "running_var", None)
-            if isinstance(running_var, torch.Tensor):
-                self._scalars[f"norm/running_var/{loc}"] = running_var.float().mean()
+            running_var = running_var.unsqueeze(0) if isinstance(running_var, torch.Tensor) else None
+            self._scalars.update({k: v[0] for k, v in norm_parameter_stats(loc, params, running_var).items()})
 
     @torch.no_grad()
     def collect(self) -> dict[str, float]:

@@ -1,0 +1,59 @@
+"""The norms the telemetry Probe watches: where they sit in the model, and the statistics of their parameters.
+
+A norm slot is named by its location: 'L03/norm1', 'L03/norm1_out', 'L03/q_norm' (QK-norm, one module
+shared by the heads), 'norm_f'. Its parameter statistics are taken on tensors stacked along a leading
+member dimension, (M, *shape), so that an unpacked model (M = 1) and a packed one (normlab.train.pack)
+share one computation.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from normlab.config import ALPHA_PARAMS, GAIN_PARAMS
+
+# The norm registry names the parameters whose mean and std are a norm's gain (GAIN_PARAMS), and
+# DyT's scalar α, reported as norm/alpha: one name for every norm that has one.
+(ALPHA_PARAM,) = ALPHA_PARAMS
+
+
+def _is_norm_slot(name: str, module: nn.Module) -> bool:
+    # Slots are named norm1, norm2, norm1_out, ... in every arm; an unused slot is an nn.Identity.
+    return name.startswith("norm") and not isinstance(module, nn.Identity)
+
+
+def norm_modules(model: nn.Module, labels: list[str]) -> dict[str, nn.Module]:
+    """Every norm of `model` that is not an identity, by location: 'L03/norm1', ..., 'L03/q_norm',
+    'L03/k_norm', 'norm_f' (`labels`: the blocks' layer labels)."""
+    norms = {}
+    for label, block in zip(labels, model.blocks):
+        for name, child in block.named_children():
+            if _is_norm_slot(name, child):
+                norms[f"{label}/{name}"] = child
+        for name in ("q_norm", "k_norm"):  # QK-norm, one module shared by the heads
+            if not isinstance(getattr(block.attn, name), nn.Identity):
+                norms[f"{label}/{name}"] = getattr(block.attn, name)
+    if _is_norm_slot("norm_f", model.norm_f):
+        norms["norm_f"] = model.norm_f
+    return norms
+
+
+@torch.no_grad()
+def norm_parameter_stats(loc: str, params: Iterable[tuple[str, torch.Tensor]],
+                         running_var: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The statistics of the norm at `loc`: from its parameters `params` ((name, tensor (M, *shape))), the
+    gain's mean and population std and α; from its `running_var` (M, *shape) the mean. Each value has shape (M,)."""
+    stats = {}
+    for name, stacked in params:
+        values = stacked.detach().float().reshape(stacked.shape[0], -1)  # not flatten(1): a scalar stacks to (M,)
+        if name in GAIN_PARAMS:
+            stats[f"norm/gain_mean/{loc}"] = values.mean(1)
+            stats[f"norm/gain_std/{loc}"] = values.std(1, correction=0)
+        elif name == ALPHA_PARAM:
+            stats[f"norm/alpha/{loc}"] = values.mean(1)
+    if running_var is not None:
+        stats[f"norm/running_var/{loc}"] = running_var.float().flatten(1).mean(1)
+    return stats

@@ -134,12 +134,16 @@ def test_entropy_min_is_the_smallest_head_mean():
     assert smallest == pytest.approx(by_hand[1], rel=1e-5) and mean == pytest.approx(np.mean(by_hand), rel=1e-5)
 
 
-def test_attention_softcap_caps_the_logits_the_softmax_sees():
+def test_attention_softcap_keeps_the_largest_logit_before_the_cap_and_the_entropy_after_it():
+    """The largest logit is q·k/sqrt(head_dim) before the cap (the logit growth the cap hides); the entropy
+    is that of the softmax over the capped logits."""
     q, k = 5 * fixed(1, 2, 6, 4), 5 * fixed(1, 2, 6, 4, seed=1)
     raw, _ = attention_stats(q, k)
-    capped, head_sums = attention_stats(q, k, softcap=2.0)
-    assert raw.item() > 2.0 and capped.item() == pytest.approx(2.0 * math.tanh(raw.item() / 2.0), rel=1e-6)
-    scores = (q.double() @ k.double().transpose(-2, -1)) / 2.0
+    largest, head_sums = attention_stats(q, k, softcap=2.0)
+    scores = (q.double() @ k.double().transpose(-2, -1)) / 2.0  # sqrt(head_dim) = 2
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert raw.item() == pytest.approx(scores[..., causal].max().item(), rel=1e-6)
+    assert raw.item() > 4.0 and largest.item() == pytest.approx(raw.item(), rel=1e-6)
     scores = 2.0 * torch.tanh(scores / 2.0)
     entropies = []
     for t in range(6):
@@ -183,8 +187,9 @@ def test_attention_statistics_read_a_qk_norm_over_the_whole_projection_and_a_sof
     with torch.no_grad():
         q, k, _ = heads(model.blocks[0].norm1(model.tok_emb(x) + model.pos_emb(torch.arange(16))))
     assert stats[None]["attn/entropy_min/L00"] == pytest.approx(min(head_entropies_by_hand(q, k)), rel=1e-5)
-    raw = stats[None]["attn/logit_max/L00"]
-    assert raw > 0.5 and stats[0.5]["attn/logit_max/L00"] == pytest.approx(0.5 * math.tanh(raw / 0.5), rel=1e-5)
+    raw = stats[None]["attn/logit_max/L00"]  # the cap of 0.5 leaves the largest logit as it is
+    assert raw > 0.5 and stats[0.5]["attn/logit_max/L00"] == pytest.approx(raw, rel=1e-6)
+    assert stats[0.5]["attn/entropy/L00"] > stats[None]["attn/entropy/L00"]  # capped logits: a flatter softmax
 
 
 # ---------------------------------------------------------------- the logged values

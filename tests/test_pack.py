@@ -27,7 +27,8 @@ WEIGHT_STATS = ("update_ratio/", "norm/", "attn/")
 # in radians), which is a large relative one near 0: mean cosines between near-orthogonal tokens (1e-7 apart
 # on -0.0026) and the angles of blocks near the identity (9e-6 degrees apart on 0.63, BatchNorm post). They
 # are compared on the scale of a cosine's range (1) and of one radian (in degrees).
-ABSOLUTE_SCALE = {"act/token_cos/": 1.0, "act/block_angle/": math.degrees(1.0)}
+ABSOLUTE_SCALE = {"act/token_cos/": 1.0, "act/block_angle/": math.degrees(1.0),
+                  "act/block_angle_last/": math.degrees(1.0)}
 
 
 def rows(run_dir):

@@ -32,7 +32,7 @@ from test_telemetry import head_entropies_by_hand, run
 from test_wandb import OfflineRun, no_user_wandb_settings  # noqa: F401  (a fixture, named in usefixtures)
 from test_wandb import _cfg as wandb_cfg
 
-NEW_STATS = ("act/block_angle", "act/token_cos", "act/kurtosis", "act/max_median", "attn/entropy_min")
+NEW_STATS = ("act/block_angle", "act/block_angle_last", "act/token_cos", "act/kurtosis", "act/max_median", "attn/entropy_min")
 
 
 # ---------------------------------------------------------------- by hand, one value at a time
@@ -213,6 +213,7 @@ def test_logged_values_equal_a_forward_by_hand(tmp_path, text_data):
             out = block(h)
             before, after = h.double().numpy(), out.double().numpy()
             expected[f"act/block_angle/{label}"] = np.mean(angles_by_hand(before, after))
+            expected[f"act/block_angle_last/{label}"] = np.mean(angles_by_hand(before[:, -1], after[:, -1]))
             expected[f"act/token_cos/{label}"] = np.mean(token_cos_by_hand(after))
             expected[f"act/kurtosis/{label}"] = kurtosis_by_hand(after)
             expected[f"act/max_median/{label}"] = np.mean(max_median_by_hand(after[:PROBE_SEQS]))

@@ -19,6 +19,7 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     act/norm_in_rms/L03/norm1, act/norm_out_rms/L03/norm1, ... and .../norm_f
     act/embed_rms, act/embed_max            the stream entering block 0
     act/block_angle/L03, act/token_cos/L03  input/output angle of block 3; cosine between its output's tokens
+    act/block_angle_last/L03                the input/output angle of each sequence's last token
     act/kurtosis/L03, act/max_median/L03    outlier features and massive activations after block 3
     grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / entering block 0
     grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_f_norm
@@ -196,6 +197,8 @@ class Probe:
         the block `label`, whose input was `x`."""
         tokens = out.numel() // out.size(-1)
         self._add(layer_key("act/block_angle", label), block_angle_sum(x, out), tokens)
+        # Gromov et al.'s and the Curse of Depth's angular distance: the sequence's last token alone.
+        self._add(layer_key("act/block_angle_last", label), block_angle_sum(x[..., -1, :], out[..., -1, :]), out.size(0))
         self._add(layer_key("act/kurtosis", label), feature_square_sums(out), tokens)
         if out.size(-2) > 1:  # a pair of distinct tokens needs two
             self._add(layer_key("act/token_cos", label), token_cos_sum(out), out.size(0))

@@ -22,8 +22,10 @@ from normlab.train.probe_stats import (
     feature_square_sums,
     head_entropy_stats,
     logz_sum,
+    max_median_ratios,
     max_median_sum,
     token_cos_sum,
+    top_median_sum,
 )
 from normlab.train.run import train
 from normlab.train.runtime import seed_everything
@@ -32,7 +34,8 @@ from test_telemetry import head_entropies_by_hand, run
 from test_wandb import OfflineRun, no_user_wandb_settings  # noqa: F401  (a fixture, named in usefixtures)
 from test_wandb import _cfg as wandb_cfg
 
-NEW_STATS = ("act/block_angle", "act/block_angle_last", "act/token_cos", "act/kurtosis", "act/max_median", "attn/entropy_min")
+NEW_STATS = ("act/block_angle", "act/block_angle_last", "act/token_cos", "act/kurtosis", "act/max_median",
+             "act/max_median_max", "act/top_median", "attn/entropy_min")
 
 
 # ---------------------------------------------------------------- by hand, one value at a time
@@ -72,6 +75,15 @@ def max_median_by_hand(y: np.ndarray) -> list[float]:
     out = []
     for token in y.reshape(-1, y.shape[-1]):
         magnitudes = sorted(abs(float(v)) for v in token)
+        out.append(magnitudes[-1] / magnitudes[(len(magnitudes) - 1) // 2])
+    return out
+
+
+def top_median_by_hand(y: np.ndarray) -> list[float]:
+    """For each sequence of y (B, T, d): the largest |y| over its T·d values / their lower median (Sun et al. 2024)."""
+    out = []
+    for seq in y:
+        magnitudes = sorted(abs(float(v)) for v in seq.reshape(-1))
         out.append(magnitudes[-1] / magnitudes[(len(magnitudes) - 1) // 2])
     return out
 
@@ -122,6 +134,21 @@ def test_max_median_per_token_with_the_lower_median():
     assert max_median_sum(y).item() == pytest.approx(8 / 2 + 4 / 0.5)
     y = fixed(2, 3, 7)
     assert max_median_sum(y).item() == pytest.approx(sum(max_median_by_hand(y.double().numpy())), rel=1e-5)
+
+
+def test_massive_activations_reach_sun_et_al_s_threshold_where_the_per_token_mean_cannot():
+    """One massive feature in one token of 16: He et al.'s per-token ratio averaged over the tokens stays far
+    below 1,000; its largest token and Sun et al.'s ratio (top |y| / median of the sequence) reach it."""
+    y = torch.ones(1, 16, 8, dtype=torch.float64)
+    y[0, :, 0] = 2.0  # every token: max 2, median 1
+    y[0, 3, 5] = 3000.0  # the massive activation
+    ratios = max_median_ratios(y)
+    assert ratios.tolist() == [2.0] * 3 + [3000.0] + [2.0] * 12
+    assert max_median_sum(y).item() / 16 == pytest.approx((15 * 2 + 3000) / 16)  # act/max_median: 189
+    assert ratios.amax().item() == 3000.0  # act/max_median_max
+    assert top_median_sum(y).item() == 3000.0  # act/top_median: the median of the 128 values is 1
+    y = fixed(3, 5, 6)
+    assert top_median_sum(y).item() == pytest.approx(sum(top_median_by_hand(y.double().numpy())), rel=1e-6)
 
 
 def test_entropy_min_is_the_smallest_head_mean():
@@ -217,6 +244,8 @@ def test_logged_values_equal_a_forward_by_hand(tmp_path, text_data):
             expected[f"act/token_cos/{label}"] = np.mean(token_cos_by_hand(after))
             expected[f"act/kurtosis/{label}"] = kurtosis_by_hand(after)
             expected[f"act/max_median/{label}"] = np.mean(max_median_by_hand(after[:PROBE_SEQS]))
+            expected[f"act/max_median_max/{label}"] = max(max_median_by_hand(after[:PROBE_SEQS]))
+            expected[f"act/top_median/{label}"] = np.mean(top_median_by_hand(after[:PROBE_SEQS]))
             expected[f"attn/entropy_min/{label}"] = min(head_entropies_by_hand(q, k))
             h = out
         expected["out/logz"] = np.mean(logz_by_hand(model.head(model.norm_f(h)).double().numpy()))

@@ -21,6 +21,7 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     act/block_angle/L03, act/token_cos/L03  input/output angle of block 3; cosine between its output's tokens
     act/block_angle_last/L03                the input/output angle of each sequence's last token
     act/kurtosis/L03, act/max_median/L03    outlier features and massive activations after block 3
+    act/max_median_max/L03, act/top_median/L03   the largest per-token ratio; Sun et al.'s per-sequence ratio
     grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / entering block 0
     grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_f_norm
     update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, .../norm_f
@@ -50,8 +51,9 @@ from normlab.train.probe_stats import (
     l2_norms,
     logz_sum,
     max_abs,
-    max_median_sum,
+    max_median_ratios,
     token_cos_sum,
+    top_median_sum,
 )
 
 # The attention statistics and the max/median ratio are taken on the step's first PROBE_SEQS sequences,
@@ -204,7 +206,10 @@ class Probe:
             self._add(layer_key("act/token_cos", label), token_cos_sum(out), out.size(0))
         rows = self._probe_rows(f"{label}/stream", out.size(0))
         if rows:
-            self._add(layer_key("act/max_median", label), max_median_sum(out[:rows]), rows * out.size(-2))
+            ratios = max_median_ratios(out[:rows])
+            self._add(layer_key("act/max_median", label), ratios.sum(), rows * out.size(-2))
+            self._maxima.setdefault(layer_key("act/max_median_max", label), []).append(ratios.amax())
+            self._add(layer_key("act/top_median", label), top_median_sum(out[:rows]), rows)
 
     def _on_logits(self, module, args, out):
         with torch.no_grad():

@@ -77,10 +77,23 @@ def feature_kurtosis(square_sums: list[float]) -> float:
     return m4 / (m2 * m2) if m2 > 0 else math.nan
 
 
-def max_median_sum(y: torch.Tensor) -> torch.Tensor:
-    """The sum over tokens of max_j |y_tj| / median_j |y_tj|, for `y` (..., d). The median is torch's: for an
-    even d the lower of the two middle values (as in He et al.'s code)."""
+def max_median_ratios(y: torch.Tensor) -> torch.Tensor:
+    """Each token's max_j |y_tj| / median_j |y_tj|, for `y` (..., d): a vector with one entry per token. The
+    median is torch's: for an even d the lower of the two middle values (as in He et al.'s code)."""
     a = y.detach().float().abs().reshape(-1, y.size(-1))
+    return a.amax(-1) / a.median(-1).values
+
+
+def max_median_sum(y: torch.Tensor) -> torch.Tensor:
+    """The sum over tokens of `max_median_ratios`."""
+    return max_median_ratios(y).sum()
+
+
+def top_median_sum(y: torch.Tensor) -> torch.Tensor:
+    """Massive activations as Sun et al. (2024) measure them, summed over the sequences of `y` (B, T, d): for
+    each sequence, the largest |y| over its tokens and features / the median |y| over the same T·d values
+    (torch's lower median)."""
+    a = y.detach().float().abs().reshape(y.size(0), -1)
     return (a.amax(-1) / a.median(-1).values).sum()
 
 

@@ -322,6 +322,8 @@ def expected_keys(model: GPT) -> set[str]:
             out |= {f"norm/gain_mean/{loc}", f"norm/gain_std/{loc}"}
         if "alpha" in names:
             out.add(f"norm/alpha/{loc}")
+        if "shift" in names:
+            out.add(f"norm/shift/{loc}")
         if hasattr(norm, "running_var"):
             out.add(f"norm/running_var/{loc}")
         return out
@@ -341,6 +343,8 @@ def expected_keys(model: GPT) -> set[str]:
             keys |= norm_keys(f"{L}/{name}", norm)
         if any(True for n in norms.values() for _ in n.parameters()):
             keys |= {f"grad/norm/{L}/norms", f"update_ratio/{L}/norms"}
+    if not isinstance(model.norm_embed, nn.Identity):
+        keys |= norm_keys("norm_embed", model.norm_embed) | {"grad/norm_embed_norm", "update_ratio/norm_embed"}
     if not isinstance(model.norm_f, nn.Identity):
         keys |= norm_keys("norm_f", model.norm_f)
         if any(True for _ in model.norm_f.parameters()):

@@ -17,15 +17,17 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     act/resid_rms/L03, act/resid_max/L03    the residual stream after block 3
     act/out_rms/L03/attn, .../mlp           a sublayer's output, before any output norm
     act/norm_in_rms/L03/norm1, act/norm_out_rms/L03/norm1, ... and .../norm_f
-    act/embed_rms, act/embed_max            the stream entering block 0
+    act/embed_rms, act/embed_max            token + position embedding (before embed_norm's norm)
     act/block_angle/L03, act/token_cos/L03  input/output angle of block 3; cosine between its output's tokens
     act/block_angle_last/L03                the input/output angle of each sequence's last token
     act/kurtosis/L03, act/max_median/L03    outlier features and massive activations after block 3
     act/max_median_max/L03, act/top_median/L03   the largest per-token ratio; Sun et al.'s per-sequence ratio
-    grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / entering block 0
-    grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_f_norm
-    update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, .../norm_f
-    norm/gain_mean/L03/norm1, .../L03/q_norm (QK-norm), norm/gain_std/..., norm/alpha/..., norm/running_var/...
+    grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / d(embedding)
+    grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_embed_norm, grad/norm_f_norm
+    update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, .../norm_embed,
+        .../norm_f
+    norm/gain_mean/L03/norm1, .../L03/q_norm (QK-norm), .../norm_embed, norm/gain_std/..., norm/alpha/...,
+        norm/shift/... (Derf), norm/running_var/...
     attn/logit_max/L03, attn/entropy/L03, attn/entropy_min/L03
     out/logz                                mean log-partition function of the output logits
 """
@@ -55,6 +57,9 @@ from normlab.train.probe_stats import (
     token_cos_sum,
     top_median_sum,
 )
+
+# The gradient-norm keys of the parameter groups outside the blocks (a block's group 'L03/attn' is grad/norm/L03/attn).
+GROUP_GRAD_KEYS = {"embed": "grad/embed_norm", "norm_embed": "grad/norm_embed_norm", "norm_f": "grad/norm_f_norm"}
 
 # The attention statistics and the max/median ratio are taken on the step's first PROBE_SEQS sequences,
 # however many micro-batches hold them (grad_accum cuts the batch into consecutive chunks, so they are the
@@ -107,7 +112,7 @@ class Probe:
 
     def _param_groups(self) -> tuple[list[nn.Parameter], dict[str, list[int]]]:
         """The model's parameters (each once) and groups of their indices by location:
-        'L03' (the whole block), 'L03/attn', 'L03/mlp', 'L03/norms', 'embed', 'norm_f'.
+        'L03' (the whole block), 'L03/attn', 'L03/mlp', 'L03/norms', 'embed', 'norm_embed', 'norm_f'.
 
         'L03/norms' holds every norm parameter of the block, QK-norm's gains included; 'L03/attn'
         holds the attention's projections only."""
@@ -125,6 +130,7 @@ class Probe:
 
         groups = {
             "embed": ids([self.model.tok_emb.weight, self.model.pos_emb.weight]),  # tok_emb is also the tied head
+            "norm_embed": ids(getattr(self.model, "norm_embed", nn.Identity()).parameters()),
             "norm_f": ids(self.model.norm_f.parameters()),
         }
         for label, block in zip(self.labels, self.model.blocks):
@@ -154,7 +160,9 @@ class Probe:
     @contextlib.contextmanager
     def watch(self) -> Iterator[None]:
         """Hook the model for the forward and backward passes run inside; every hook is removed on exit."""
-        handles = [self.model.blocks[0].register_forward_pre_hook(self._on_embed)]
+        # The token + position embedding: the input of embed_norm=true's norm, else what enters block 0.
+        embed_norm = self._norms.get("norm_embed")
+        handles = [(self.model.blocks[0] if embed_norm is None else embed_norm).register_forward_pre_hook(self._on_embed)]
         for label, block in zip(self.labels, self.model.blocks):
             handles.append(block.register_forward_hook(self._on_stream(label)))
             handles.append(block.attn.register_forward_hook(self._on_attention(label)))
@@ -339,7 +347,7 @@ class Probe:
             stats.update(_finish_sum(key, host[f"sums:{key}"], sum(n for _, n in entries)))
         for loc, members in self._groups.items():
             if host["grad"]:
-                key = {"embed": "grad/embed_norm", "norm_f": "grad/norm_f_norm"}.get(loc, f"grad/norm/{loc}")
+                key = GROUP_GRAD_KEYS.get(loc, f"grad/norm/{loc}")
                 stats[key] = _group_norm(host["grad"], members)
             if host["delta"]:
                 updated = self._update_members(loc, members)

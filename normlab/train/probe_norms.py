@@ -1,7 +1,8 @@
 """The norms the telemetry Probe watches: where they sit in the model, and the statistics of their parameters.
 
 A norm slot is named by its location: 'L03/norm1', 'L03/norm1_out', 'L03/q_norm' (QK-norm, one module
-shared by the heads), 'norm_f'. Its parameter statistics are taken on tensors stacked along a leading
+shared by the heads), 'norm_f' (before the head), 'norm_embed' (embed_norm=true's, on token + position
+embedding). Its parameter statistics are taken on tensors stacked along a leading
 member dimension, (M, *shape), so that an unpacked model (M = 1) and a packed one (normlab.train.pack)
 share one computation.
 """
@@ -13,11 +14,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from normlab.config import ALPHA_PARAMS, GAIN_PARAMS
+from normlab.config import ALPHA_PARAMS, GAIN_PARAMS, SHIFT_PARAMS
 
-# The norm registry names the parameters whose mean and std are a norm's gain (GAIN_PARAMS), and
-# DyT's scalar α, reported as norm/alpha: one name for every norm that has one.
+# The norm registry names the parameters whose mean and std are a norm's gain (GAIN_PARAMS), DyT's and
+# Derf's scalar α, reported as norm/alpha, and Derf's scalar shift s, reported as norm/shift: one name for
+# every norm that has one.
 (ALPHA_PARAM,) = ALPHA_PARAMS
+(SHIFT_PARAM,) = SHIFT_PARAMS
 
 
 def _is_norm_slot(name: str, module: nn.Module) -> bool:
@@ -26,9 +29,11 @@ def _is_norm_slot(name: str, module: nn.Module) -> bool:
 
 
 def norm_modules(model: nn.Module, labels: list[str]) -> dict[str, nn.Module]:
-    """Every norm of `model` that is not an identity, by location: 'L03/norm1', ..., 'L03/q_norm',
-    'L03/k_norm', 'norm_f' (`labels`: the blocks' layer labels)."""
+    """Every norm of `model` that is not an identity, by location: 'norm_embed', 'L03/norm1', ...,
+    'L03/q_norm', 'L03/k_norm', 'norm_f' (`labels`: the blocks' layer labels)."""
     norms = {}
+    if _is_norm_slot("norm_embed", getattr(model, "norm_embed", nn.Identity())):
+        norms["norm_embed"] = model.norm_embed
     for label, block in zip(labels, model.blocks):
         for name, child in block.named_children():
             if _is_norm_slot(name, child):
@@ -45,7 +50,7 @@ def norm_modules(model: nn.Module, labels: list[str]) -> dict[str, nn.Module]:
 def norm_parameter_stats(loc: str, params: Iterable[tuple[str, torch.Tensor]],
                          running_var: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The statistics of the norm at `loc`: from its parameters `params` ((name, tensor (M, *shape))), the
-    gain's mean and population std and α; from its `running_var` (M, *shape) the mean. Each value has shape (M,)."""
+    gain's mean and population std, α and the shift s; from its `running_var` (M, *shape) the mean. Each value has shape (M,)."""
     stats = {}
     for name, stacked in params:
         values = stacked.detach().float().reshape(stacked.shape[0], -1)  # not flatten(1): a scalar stacks to (M,)
@@ -54,6 +59,8 @@ def norm_parameter_stats(loc: str, params: Iterable[tuple[str, torch.Tensor]],
             stats[f"norm/gain_std/{loc}"] = values.std(1, correction=0)
         elif name == ALPHA_PARAM:
             stats[f"norm/alpha/{loc}"] = values.mean(1)
+        elif name == SHIFT_PARAM:
+            stats[f"norm/shift/{loc}"] = values.mean(1)
     if running_var is not None:
         stats[f"norm/running_var/{loc}"] = running_var.float().flatten(1).mean(1)
     return stats

@@ -324,6 +324,8 @@ def expected_keys(model: GPT) -> set[str]:
             out.add(f"norm/alpha/{loc}")
         if "shift" in names:
             out.add(f"norm/shift/{loc}")
+        if norm.eps_rms() is not None:
+            out.add(f"norm/eps_ratio/{loc}")
         if hasattr(norm, "running_var"):
             out.add(f"norm/running_var/{loc}")
         return out

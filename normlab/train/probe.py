@@ -27,7 +27,7 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, .../norm_embed,
         .../norm_f
     norm/gain_mean/L03/norm1, .../L03/q_norm (QK-norm), .../norm_embed, norm/gain_std/..., norm/alpha/...,
-        norm/shift/... (Derf), norm/running_var/...
+        norm/shift/... (Derf), norm/running_var/..., norm/eps_ratio/... (input RMS / sqrt(eps))
     attn/logit_max/L03, attn/entropy/L03, attn/entropy_min/L03
     out/logz                                mean log-partition function of the output logits
 """
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from normlab.keys import layer_key, layer_label, parse
-from normlab.train.probe_norms import norm_modules, norm_parameter_stats
+from normlab.train.probe_norms import eps_floors, eps_ratios, norm_modules, norm_parameter_stats
 from normlab.train.probe_stats import (
     attention_stats,
     block_angle_sum,
@@ -96,6 +96,7 @@ class Probe:
         self.labels = [layer_label(i, depth) for i in range(depth)]
         self._params, self._groups = self._param_groups()
         self._norms = norm_modules(model, self.labels)
+        self._eps_floors = eps_floors(self._norms)
         self._reset()
 
     def _reset(self) -> None:
@@ -343,6 +344,7 @@ class Probe:
             stats[key] = max(host[f"max:{key}"])
         for key in self._scalars:
             stats[key] = host[f"scalar:{key}"][0]
+        stats.update(eps_ratios(stats, self._eps_floors))
         for key, entries in self._sums.items():
             stats.update(_finish_sum(key, host[f"sums:{key}"], sum(n for _, n in entries)))
         for loc, members in self._groups.items():

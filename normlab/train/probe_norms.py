@@ -9,7 +9,7 @@ share one computation.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -64,3 +64,44 @@ def norm_parameter_stats(loc: str, params: Iterable[tuple[str, torch.Tensor]],
     if running_var is not None:
         stats[f"norm/running_var/{loc}"] = running_var.float().flatten(1).mean(1)
     return stats
+
+
+# norm/eps_ratio/<loc>: the norm's input RMS over the RMS below which its ε dominates (Norm.eps_rms).
+EPS_RATIO = "norm/eps_ratio"
+
+
+def eps_floors(norms: Mapping[str, nn.Module]) -> dict[str, float]:
+    """Each norm's `eps_rms()` by location, for the norms that have an ε (DyT and Derf have none)."""
+    floors = {}
+    for loc, norm in norms.items():
+        floor = norm.eps_rms() if callable(getattr(norm, "eps_rms", None)) else None
+        if floor is not None:
+            floors[loc] = floor
+    return floors
+
+
+def eps_ratios(stats: Mapping[str, float], floors: Mapping[str, float]) -> dict[str, float]:
+    """norm/eps_ratio/<loc> = act/norm_in_rms/<loc> / the norm's eps_rms, for the norms measured in `stats`.
+    Below 1 the norm is eps-dominated: ε exceeds its input's mean square."""
+    return {f"{EPS_RATIO}/{loc}": stats[f"act/norm_in_rms/{loc}"] / floor
+            for loc, floor in floors.items() if f"act/norm_in_rms/{loc}" in stats}
+
+
+class EpsWarnings:
+    """The run's warning about eps-dominated norms: one line naming the slots whose input RMS fell below
+    their ε's (norm/eps_ratio < 1), each slot named once per run."""
+
+    def __init__(self) -> None:
+        self.warned: set[str] = set()
+
+    def line(self, stats: Mapping[str, float], step: int) -> str | None:
+        """The warning for the slots of `stats` newly eps-dominated at `step`, or None."""
+        prefix = f"{EPS_RATIO}/"
+        new = {key[len(prefix):]: v for key, v in stats.items()
+               if key.startswith(prefix) and v < 1 and key[len(prefix):] not in self.warned}
+        if not new:
+            return None
+        self.warned |= new.keys()
+        slots = ", ".join(f"{loc} ({ratio:.2g})" for loc, ratio in new.items())
+        return (f"eps-dominated norms at step {step}, input RMS / sqrt(eps) below 1 ({EPS_RATIO}): {slots}; "
+                f"such a norm scales its input by about 1/sqrt(eps) instead of normalizing it")

@@ -6,7 +6,10 @@ validation loss, mean ± sample std over seeds; the block angle (act/block_angle
 and output residual stream, averaged over tokens) of the first and the last block at the end; the largest
 max/median ratio of the residual stream over the blocks (act/max_median: a token's largest |activation| over its
 median one), at initialization and at the end; the stream's RMS after the last block at the end. Then the block
-angle of every block at the first and the last telemetry step. Every per-block figure is the mean over seeds.
+angle of every block at the first and the last telemetry step, and at the end, where the runs logged them, the
+last token's block angle (act/block_angle_last) and Sun et al.'s top/median ratio (act/top_median) per block, and
+the norm slots that were eps-dominated (norm/eps_ratio below 1) at each telemetry step. Every per-block figure is
+the mean over seeds.
 
 With --figure, a PNG of the block angle against the block index, one line per placement (mean over seeds, band
 min to max), at initialization and at the end.
@@ -29,6 +32,10 @@ from normlab.config import PLACEMENTS, format_lr
 BLOCK_ANGLE = "act/block_angle"
 MAX_MEDIAN = "act/max_median"
 RESID_RMS = "act/resid_rms"
+EPS_RATIO = "norm/eps_ratio/"  # a norm slot's input RMS / sqrt(eps): below 1, eps-dominated
+# The papers' own quantities, tabled per block when the runs logged them.
+PAPER_VARIANTS = (("act/block_angle_last", "last token's block angle (°), the Curse of Depth's angular distance × 180"),
+                  ("act/top_median", "top |activation| / median of each sequence (Sun et al.'s massive-activation ratio)"))
 # The order of the table's rows and the figure's lines: Pre-LN first, then the arms that change it, Post-LN last.
 ORDER = ("pre", "lns", "sandwich", "reordered", "post")
 # What each placement is called in the papers the reproduction is about.
@@ -211,7 +218,33 @@ def report(arms: list[Arm]) -> bool:
         print("\n".join(layer_table(arms, BLOCK_ANGLE, which)))
     print("\nmax/median of the stream after each block at the end, mean over seeds:\n")
     print("\n".join(layer_table(arms, MAX_MEDIAN, "last")))
+    for stat, what in PAPER_VARIANTS:
+        if any(arm.profile(stat, "last") for arm in arms):
+            print(f"\n{what} ({stat}) per block at the end, mean over seeds:\n")
+            print("\n".join(layer_table(arms, stat, "last")))
+    lines = [line for arm in arms if (line := eps_dominated(arm))]
+    if lines:
+        print("\neps-dominated norms (norm/eps_ratio below 1: input RMS below sqrt(eps)):\n")
+        print("\n".join(lines))
     return True
+
+
+def eps_dominated(arm: Arm) -> str | None:
+    """One line naming, per telemetry step, the arm's norm slots whose input RMS was below sqrt(eps) in some seed,
+    with the smallest ratio; None when none was (or the runs predate norm/eps_ratio)."""
+    by_step: dict[int, dict[str, float]] = {}
+    for run in arm.runs:
+        for row in run.rows:
+            for key, value in row.items():
+                if key.startswith(EPS_RATIO) and isinstance(value, (int, float)) and value < 1:
+                    slot = key[len(EPS_RATIO):]
+                    slots = by_step.setdefault(row["step"], {})
+                    slots[slot] = min(value, slots.get(slot, value))
+    if not by_step:
+        return None
+    steps = "; ".join(f"step {step}: " + ", ".join(f"{slot} {number(v, 2)}" for slot, v in sorted(slots.items()))
+                      for step, slots in sorted(by_step.items()))
+    return f"- {arm.label}: {steps}"
 
 
 def main() -> None:

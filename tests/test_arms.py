@@ -3,6 +3,7 @@ qk_norm_axis and qk_norm_gains, attn_softcap and z_loss. Each formula against a 
 tensor; their validation, run names and bookkeeping."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,6 +131,20 @@ def test_rezero_is_x_plus_a_f_x_with_a_scalar_a_that_starts_at_0():
         block.gate2.weight.fill_(-0.7)
     h = x + 0.3 * block.attn(x)
     torch.testing.assert_close(block(x), h - 0.7 * block.mlp(h))
+
+
+def test_docs_norms_claims_of_olmo_2_and_rezero_match_the_model():
+    """OLMo 2 has no embedding norm, so the example of its choices sets none; normlab's ReZero has one α per
+    sublayer (two learnable scalars per block) where the paper's reference code shares one per layer, and
+    the switches table says so."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "norms.md").read_text()
+    olmo2 = next(line for line in text.splitlines() if "OLMo 2's choices" in line)
+    assert "placement=reordered" in olmo2 and "qk_norm_axis=all" in olmo2 and "embed_norm" not in olmo2
+    gates = [m for m in GPT(tiny_config("none", "pre", residual_gate="rezero")).blocks[0].modules()
+             if type(m).__name__ == "ResidualGate"]
+    assert len(gates) == 2 and all(g.weight.shape == () for g in gates)
+    rezero = next(line for line in text.splitlines() if line.startswith("| `residual_gate=rezero`"))
+    assert "one per sublayer" in rezero and "one α per layer" in rezero
 
 
 def test_layerscale_is_x_plus_lambda_times_f_of_the_normed_x_per_feature():

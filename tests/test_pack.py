@@ -23,11 +23,17 @@ TOLERANCE = 1e-5  # relative, the issue's bound for a member against its unpacke
 # 1 moves update_ratio/L00/norms by 3.8e-4 and norm/gain_std by 1.1e-4 (BatchNorm, post, lr 1e-2).
 WEIGHT_TOLERANCE = 1e-3
 WEIGHT_STATS = ("update_ratio/", "norm/", "attn/")
+# One token's (or one sequence's) max/median is not averaged over tokens, and dividing by a median of small
+# magnitudes adds their rounding: held to 1e-4. Measured: 2.2e-5 apart (act/max_median_max/L00, BatchNorm post,
+# lr 1e-2, step 5), where the mean over tokens, act/max_median, stays within 1e-5.
+RATIO_TOLERANCE = 1e-4
+RATIO_STATS = ("act/max_median_max/", "act/top_median/")
 # A cosine, or an angle, carries the activations' rounding as an absolute error (about their relative error,
 # in radians), which is a large relative one near 0: mean cosines between near-orthogonal tokens (1e-7 apart
 # on -0.0026) and the angles of blocks near the identity (9e-6 degrees apart on 0.63, BatchNorm post). They
 # are compared on the scale of a cosine's range (1) and of one radian (in degrees).
-ABSOLUTE_SCALE = {"act/token_cos/": 1.0, "act/block_angle/": math.degrees(1.0)}
+ABSOLUTE_SCALE = {"act/token_cos/": 1.0, "act/block_angle/": math.degrees(1.0),
+                  "act/block_angle_last/": math.degrees(1.0)}
 
 
 def rows(run_dir):
@@ -59,7 +65,8 @@ def worst_difference(expected, got, skip=("tokens_per_s",)):
             if math.isnan(value):
                 assert math.isnan(b[key]), (a["step"], key)
                 continue
-            bound = WEIGHT_TOLERANCE if key.startswith(WEIGHT_STATS) else TOLERANCE
+            bound = (WEIGHT_TOLERANCE if key.startswith(WEIGHT_STATS)
+                     else RATIO_TOLERANCE if key.startswith(RATIO_STATS) else TOLERANCE)
             scale = next((v for k, v in ABSOLUTE_SCALE.items() if key.startswith(k)), max(abs(value), 1e-12))
             diff = abs(value - b[key]) / scale / bound
             if diff > worst:

@@ -10,7 +10,7 @@ import yaml
 from torch import nn
 
 from conftest import tiny_config
-from normlab.train import probe
+from normlab.train import probe_norms as probe
 from normlab.config import (
     ALPHA_PARAMS,
     GAIN_PARAMS,
@@ -18,6 +18,7 @@ from normlab.config import (
     NORMS,
     PLACEMENT_TRAITS,
     PLACEMENTS,
+    SHIFT_PARAMS,
     ConfigError,
     NormConfig,
     NormTraits,
@@ -70,15 +71,16 @@ def test_a_norms_parameters_are_the_gains_and_alphas_its_row_names(name):
     module = build_norm(NormConfig(name=name), 8, positions=4)
     params = {n for n, _ in module.named_parameters()}
     traits = NORM_TRAITS[name]
-    assert set(traits.gains) | set(traits.alphas) <= params
-    assert not params & (set(GAIN_PARAMS) | set(ALPHA_PARAMS)) - set(traits.gains) - set(traits.alphas)
+    named = set(traits.gains) | set(traits.alphas) | set(traits.shifts)
+    assert named <= params
+    assert not params & (set(GAIN_PARAMS) | set(ALPHA_PARAMS) | set(SHIFT_PARAMS)) - named
 
 
 def test_the_derived_lists():
     assert NORMS == ("none", "layer", "rms", "batch", "dyt", "derf", "scale", "l2")
     assert PLACEMENTS == ("pre", "post", "sandwich", "deepnorm", "mix", "reordered", "lns")
     assert GAIN_PARAMS == ("weight", "g") and probe.GAIN_PARAMS is GAIN_PARAMS
-    assert probe.ALPHA_PARAM == "alpha"
+    assert probe.ALPHA_PARAM == "alpha" and probe.SHIFT_PARAM == "shift" and SHIFT_PARAMS == ("shift",)
     assert [n for n in NORMS if not NORM_TRAITS[n].per_token] == ["batch"]
     bn, causal = (build_norm(NormConfig(name="batch", causal=c), 8, positions=4) for c in (False, True))
     ln = build_norm(NormConfig(name="layer"), 8)

@@ -287,6 +287,22 @@ def test_depth_block_angle_tables_each_placement_at_its_best_lr_and_draws_both_p
     assert (tmp_path / "angle.png").read_bytes()[:8] == PNG
 
 
+def test_depth_block_angle_tables_the_papers_variants_and_names_eps_dominated_norms(tmp_path):
+    sweep = tmp_path / "sweep"
+    for seed, ratio in ((0, 0.5), (1, 0.25)):
+        telemetry = {0: {"act/block_angle": [10, 20], "act/block_angle_last": [12, 30 + seed],
+                         "act/top_median": [5, 7], "norm/eps_ratio": [ratio, 3]},
+                     9: {"act/block_angle": [10, 20], "act/block_angle_last": [14, 40],
+                         "act/top_median": [6, 1000], "norm/eps_ratio": [2, 3]}}
+        write_run(sweep, f"{seed}_reordered", "reordered", 3e-3, seed, 2.5, telemetry)
+    out = script("depth_block_angle.py", str(sweep), cwd=tmp_path)
+    last = out[out.index("act/block_angle_last"):]
+    assert "| reordered (OLMo 2) | 14 | 40 |" in last
+    assert "| reordered (OLMo 2) | 6 | 1e+03 |" in out[out.index("(act/top_median)"):]
+    # write_run names per-layer keys STAT/L00: the eps slots read as L00 and L01 here
+    assert out.splitlines()[-1] == "- reordered (OLMo 2): step 0: L00 0.25"
+
+
 def test_depth_block_angle_says_in_one_line_when_no_run_logged_the_block_angle(tmp_path):
     sweep = tmp_path / "sweep"
     write_run(sweep, "0_pre", "pre", 3e-3, 0, 2.5, {0: {"act/resid_rms": [1, 2]}, 9: {"act/resid_rms": [1, 3]}})

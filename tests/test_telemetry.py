@@ -322,6 +322,10 @@ def expected_keys(model: GPT) -> set[str]:
             out |= {f"norm/gain_mean/{loc}", f"norm/gain_std/{loc}"}
         if "alpha" in names:
             out.add(f"norm/alpha/{loc}")
+        if "shift" in names:
+            out.add(f"norm/shift/{loc}")
+        if norm.eps_rms() is not None:
+            out.add(f"norm/eps_ratio/{loc}")
         if hasattr(norm, "running_var"):
             out.add(f"norm/running_var/{loc}")
         return out
@@ -329,7 +333,8 @@ def expected_keys(model: GPT) -> set[str]:
     for i, block in enumerate(model.blocks):
         L = f"L{i:02d}"
         keys |= {f"act/resid_rms/{L}", f"act/resid_max/{L}", f"grad/resid_rms/{L}", f"attn/logit_max/{L}", f"attn/entropy/{L}"}
-        keys |= {f"act/{stat}/{L}" for stat in ("block_angle", "token_cos", "kurtosis", "max_median")}
+        stream_stats = ("block_angle", "block_angle_last", "token_cos", "kurtosis", "max_median", "max_median_max", "top_median")
+        keys |= {f"act/{stat}/{L}" for stat in stream_stats}
         keys.add(f"attn/entropy_min/{L}")
         for part in ("attn", "mlp"):
             keys |= {f"act/out_rms/{L}/{part}", f"grad/norm/{L}/{part}", f"update_ratio/{L}/{part}"}
@@ -340,6 +345,8 @@ def expected_keys(model: GPT) -> set[str]:
             keys |= norm_keys(f"{L}/{name}", norm)
         if any(True for n in norms.values() for _ in n.parameters()):
             keys |= {f"grad/norm/{L}/norms", f"update_ratio/{L}/norms"}
+    if not isinstance(model.norm_embed, nn.Identity):
+        keys |= norm_keys("norm_embed", model.norm_embed) | {"grad/norm_embed_norm", "update_ratio/norm_embed"}
     if not isinstance(model.norm_f, nn.Identity):
         keys |= norm_keys("norm_f", model.norm_f)
         if any(True for _ in model.norm_f.parameters()):

@@ -22,8 +22,10 @@ from normlab.train.probe_stats import (
     feature_square_sums,
     head_entropy_stats,
     logz_sum,
+    max_median_ratios,
     max_median_sum,
     token_cos_sum,
+    top_median_sum,
 )
 from normlab.train.run import train
 from normlab.train.runtime import seed_everything
@@ -32,7 +34,8 @@ from test_telemetry import head_entropies_by_hand, run
 from test_wandb import OfflineRun, no_user_wandb_settings  # noqa: F401  (a fixture, named in usefixtures)
 from test_wandb import _cfg as wandb_cfg
 
-NEW_STATS = ("act/block_angle", "act/token_cos", "act/kurtosis", "act/max_median", "attn/entropy_min")
+NEW_STATS = ("act/block_angle", "act/block_angle_last", "act/token_cos", "act/kurtosis", "act/max_median",
+             "act/max_median_max", "act/top_median", "attn/entropy_min")
 
 
 # ---------------------------------------------------------------- by hand, one value at a time
@@ -72,6 +75,15 @@ def max_median_by_hand(y: np.ndarray) -> list[float]:
     out = []
     for token in y.reshape(-1, y.shape[-1]):
         magnitudes = sorted(abs(float(v)) for v in token)
+        out.append(magnitudes[-1] / magnitudes[(len(magnitudes) - 1) // 2])
+    return out
+
+
+def top_median_by_hand(y: np.ndarray) -> list[float]:
+    """For each sequence of y (B, T, d): the largest |y| over its T·d values / their lower median (Sun et al. 2024)."""
+    out = []
+    for seq in y:
+        magnitudes = sorted(abs(float(v)) for v in seq.reshape(-1))
         out.append(magnitudes[-1] / magnitudes[(len(magnitudes) - 1) // 2])
     return out
 
@@ -124,6 +136,21 @@ def test_max_median_per_token_with_the_lower_median():
     assert max_median_sum(y).item() == pytest.approx(sum(max_median_by_hand(y.double().numpy())), rel=1e-5)
 
 
+def test_massive_activations_reach_sun_et_al_s_threshold_where_the_per_token_mean_cannot():
+    """One massive feature in one token of 16: He et al.'s per-token ratio averaged over the tokens stays far
+    below 1,000; its largest token and Sun et al.'s ratio (top |y| / median of the sequence) reach it."""
+    y = torch.ones(1, 16, 8, dtype=torch.float64)
+    y[0, :, 0] = 2.0  # every token: max 2, median 1
+    y[0, 3, 5] = 3000.0  # the massive activation
+    ratios = max_median_ratios(y)
+    assert ratios.tolist() == [2.0] * 3 + [3000.0] + [2.0] * 12
+    assert max_median_sum(y).item() / 16 == pytest.approx((15 * 2 + 3000) / 16)  # act/max_median: 189
+    assert ratios.amax().item() == 3000.0  # act/max_median_max
+    assert top_median_sum(y).item() == 3000.0  # act/top_median: the median of the 128 values is 1
+    y = fixed(3, 5, 6)
+    assert top_median_sum(y).item() == pytest.approx(sum(top_median_by_hand(y.double().numpy())), rel=1e-6)
+
+
 def test_entropy_min_is_the_smallest_head_mean():
     q, k = 3 * fixed(2, 3, 9, 4), 3 * fixed(2, 3, 9, 4, seed=1)
     q[:, 1] *= 4  # sharper attention in head 1: a lower entropy than the others
@@ -134,12 +161,16 @@ def test_entropy_min_is_the_smallest_head_mean():
     assert smallest == pytest.approx(by_hand[1], rel=1e-5) and mean == pytest.approx(np.mean(by_hand), rel=1e-5)
 
 
-def test_attention_softcap_caps_the_logits_the_softmax_sees():
+def test_attention_softcap_keeps_the_largest_logit_before_the_cap_and_the_entropy_after_it():
+    """The largest logit is q·k/sqrt(head_dim) before the cap (the logit growth the cap hides); the entropy
+    is that of the softmax over the capped logits."""
     q, k = 5 * fixed(1, 2, 6, 4), 5 * fixed(1, 2, 6, 4, seed=1)
     raw, _ = attention_stats(q, k)
-    capped, head_sums = attention_stats(q, k, softcap=2.0)
-    assert raw.item() > 2.0 and capped.item() == pytest.approx(2.0 * math.tanh(raw.item() / 2.0), rel=1e-6)
-    scores = (q.double() @ k.double().transpose(-2, -1)) / 2.0
+    largest, head_sums = attention_stats(q, k, softcap=2.0)
+    scores = (q.double() @ k.double().transpose(-2, -1)) / 2.0  # sqrt(head_dim) = 2
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert raw.item() == pytest.approx(scores[..., causal].max().item(), rel=1e-6)
+    assert raw.item() > 4.0 and largest.item() == pytest.approx(raw.item(), rel=1e-6)
     scores = 2.0 * torch.tanh(scores / 2.0)
     entropies = []
     for t in range(6):
@@ -183,8 +214,9 @@ def test_attention_statistics_read_a_qk_norm_over_the_whole_projection_and_a_sof
     with torch.no_grad():
         q, k, _ = heads(model.blocks[0].norm1(model.tok_emb(x) + model.pos_emb(torch.arange(16))))
     assert stats[None]["attn/entropy_min/L00"] == pytest.approx(min(head_entropies_by_hand(q, k)), rel=1e-5)
-    raw = stats[None]["attn/logit_max/L00"]
-    assert raw > 0.5 and stats[0.5]["attn/logit_max/L00"] == pytest.approx(0.5 * math.tanh(raw / 0.5), rel=1e-5)
+    raw = stats[None]["attn/logit_max/L00"]  # the cap of 0.5 leaves the largest logit as it is
+    assert raw > 0.5 and stats[0.5]["attn/logit_max/L00"] == pytest.approx(raw, rel=1e-6)
+    assert stats[0.5]["attn/entropy/L00"] > stats[None]["attn/entropy/L00"]  # capped logits: a flatter softmax
 
 
 # ---------------------------------------------------------------- the logged values
@@ -208,9 +240,12 @@ def test_logged_values_equal_a_forward_by_hand(tmp_path, text_data):
             out = block(h)
             before, after = h.double().numpy(), out.double().numpy()
             expected[f"act/block_angle/{label}"] = np.mean(angles_by_hand(before, after))
+            expected[f"act/block_angle_last/{label}"] = np.mean(angles_by_hand(before[:, -1], after[:, -1]))
             expected[f"act/token_cos/{label}"] = np.mean(token_cos_by_hand(after))
             expected[f"act/kurtosis/{label}"] = kurtosis_by_hand(after)
             expected[f"act/max_median/{label}"] = np.mean(max_median_by_hand(after[:PROBE_SEQS]))
+            expected[f"act/max_median_max/{label}"] = max(max_median_by_hand(after[:PROBE_SEQS]))
+            expected[f"act/top_median/{label}"] = np.mean(top_median_by_hand(after[:PROBE_SEQS]))
             expected[f"attn/entropy_min/{label}"] = min(head_entropies_by_hand(q, k))
             h = out
         expected["out/logz"] = np.mean(logz_by_hand(model.head(model.norm_f(h)).double().numpy()))

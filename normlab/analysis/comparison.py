@@ -13,6 +13,8 @@ from normlab.analysis.arms import Arm, ArmResult, arm_keys, arm_of, common_setti
 from normlab.analysis.records import METRICS
 from normlab.analysis.runs import CompareError, Run, load_run
 
+EPS_RATIO_PREFIX = "norm/eps_ratio/"  # telemetry's input RMS / sqrt(eps) per norm slot (normlab.train.probe_norms)
+
 
 @dataclass
 class Comparison:
@@ -28,6 +30,7 @@ class Comparison:
     common: list[tuple[str, Any]] = field(default_factory=list)  # the settings every run shares
     not_started: list[Run] = field(default_factory=list)  # failed before their first step: in no arm
     environment_warnings: list[str] = field(default_factory=list)  # one line per arm whose runs' environments differ
+    eps_warnings: list[str] = field(default_factory=list)  # one line per arm with an eps-dominated norm (eps_warning)
 
     def run_label(self, run: Run) -> str:
         rel = os.path.relpath(run.path, self.root)
@@ -36,6 +39,11 @@ class Comparison:
     @property
     def ranked(self) -> list[ArmResult]:
         return sorted(self.arms, key=ArmResult.rank_key)
+
+    @property
+    def warnings(self) -> list[str]:
+        """Every warning line: the arms whose runs' environments differ, then those with eps-dominated norms."""
+        return [*self.environment_warnings, *self.eps_warnings]
 
 
 def build_comparison(run_dirs: list[Path]) -> Comparison:
@@ -67,6 +75,7 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
         root=Path(os.path.commonpath([run.path for run in loaded])), notes=notes, measure=measure, dims=dims,
         common=common_settings(runs), not_started=[run for run in loaded if run.did_not_start],
         environment_warnings=[w for result in arms if (w := environment_warning(result))],
+        eps_warnings=[w for result in arms if (w := eps_warning(result))],
     )  # fmt: skip
 
 
@@ -95,6 +104,22 @@ def environment_warning(result: ArmResult) -> str | None:
     if not differ:
         return None
     return f"{result.arm.label}: its runs ran in different environments ({'; '.join(differ)}): their numbers may differ for that alone"
+
+
+def eps_warning(result: ArmResult) -> str | None:
+    """One line naming the norm slots of the arm that were eps-dominated at some telemetry step (norm/eps_ratio
+    below 1: the norm's ε exceeds its input's mean square), with their steps; None when there are none."""
+    steps: dict[str, list[int]] = {}
+    for run in result.runs:
+        for row in run.rows:
+            for key, value in row.items():
+                if key.startswith(EPS_RATIO_PREFIX) and isinstance(value, (int, float)) and value < 1:
+                    steps.setdefault(key[len(EPS_RATIO_PREFIX):], []).append(row.get("step"))
+    if not steps:
+        return None
+    slots = ", ".join(f"{loc} (step {min(s)}{'' if min(s) == max(s) else f'–{max(s)}'})" for loc, s in steps.items())
+    return (f"{result.arm.label}: eps-dominated norms, input RMS below sqrt(eps) ({EPS_RATIO_PREFIX}*): {slots}; "
+            f"they scale by about 1/sqrt(eps) instead of normalizing, so the arm is not the norm it names there")
 
 
 def _once_each(members: list[Run], keys: list[str], notes: list[str]) -> list[Run]:

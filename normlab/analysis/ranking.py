@@ -128,13 +128,13 @@ def aligned(head: tuple[str, ...], rows: list[list[str]]) -> list[str]:
 
 def terminal_summary(comparison: Comparison, shown_not_started: int = 5) -> list[str]:
     """What `normlab compare` prints before the report's path: the answer, the ranked table, its footnotes,
-    the common settings, the environment warnings and the runs that did not start."""
+    the common settings, the warnings (environments, eps-dominated norms) and the runs that did not start."""
     rows, footnotes = ranking(comparison)
     lines = [f"{count(len(comparison.runs), 'run')} in {count(len(comparison.arms), 'arm')}. {answer(comparison)}"]
     if rows:
         lines += ["", *aligned(header(comparison), rows), *footnotes]
     lines += ["", common_line(comparison)]
-    lines += [f"warning: {w}" for w in comparison.environment_warnings]
+    lines += [f"warning: {w}" for w in comparison.warnings]
     for run in comparison.not_started[:shown_not_started]:
         lines.append(f"did not start: {comparison.run_label(run)}: {run.error}")
     if len(comparison.not_started) > shown_not_started:

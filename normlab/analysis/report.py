@@ -193,10 +193,11 @@ def answer_section(comparison: Comparison) -> list[str]:
 
 
 def warnings_section(comparison: Comparison) -> list[str]:
-    """The arms whose runs ran in different environments (summary.json's environment block)."""
-    if not comparison.environment_warnings:
+    """The arms whose runs ran in different environments (summary.json's environment block), and those with
+    eps-dominated norms."""
+    if not comparison.warnings:
         return []
-    return ["## Warnings", "", *(f"- {_cell(w)}" for w in comparison.environment_warnings), ""]
+    return ["## Warnings", "", *(f"- {_cell(w)}" for w in comparison.warnings), ""]
 
 
 def not_started_section(comparison: Comparison) -> list[str]:

@@ -27,6 +27,7 @@ class NormTraits:
     batch_statistics: bool = False  # statistics across the batch, not per token: not causal in training
     gains: tuple[str, ...] = ()  # parameters that scale its output (telemetry: norm/gain_mean, norm/gain_std)
     alphas: tuple[str, ...] = ()  # learnable input scales (telemetry: norm/alpha)
+    shifts: tuple[str, ...] = ()  # learnable input shifts (telemetry: norm/shift)
 
     @property
     def per_token(self) -> bool:
@@ -62,6 +63,7 @@ NORM_TRAITS: dict[str, NormTraits] = {
         ("Derf",),
         gains=("weight",),
         alphas=("alpha",),
+        shifts=("shift",),
     ),
     "scale": NormTraits("ScaleNorm", ("eps",), ("ScaleNorm",), gains=("g",)),
     "l2": NormTraits("L2 norm", ("eps",), ("L2Norm",)),
@@ -69,6 +71,7 @@ NORM_TRAITS: dict[str, NormTraits] = {
 NORMS = tuple(NORM_TRAITS)
 GAIN_PARAMS = tuple(dict.fromkeys(p for t in NORM_TRAITS.values() for p in t.gains))
 ALPHA_PARAMS = tuple(dict.fromkeys(p for t in NORM_TRAITS.values() for p in t.alphas))
+SHIFT_PARAMS = tuple(dict.fromkeys(p for t in NORM_TRAITS.values() for p in t.shifts))
 # Structural knobs the label names when they differ from the default (only for norms that read them).
 LABEL_SUFFIXES = (("weight", False, "_noweight"), ("bias", False, "_nobias"), ("causal", True, "_causal"))
 

@@ -50,6 +50,13 @@ class Norm(nn.Module):
         """The norm of x over its last dimension: what each subclass defines."""
         raise NotImplementedError
 
+    def eps_rms(self) -> float | None:
+        """The input RMS below which ε, not the input, sets the norm's scale; None for a norm without ε.
+        √ε where ε is added to a mean square or a variance (LayerNorm, RMSNorm, BatchNorm): an input whose
+        mean square is below ε is multiplied by about 1/√ε instead of being normalized."""
+        eps = getattr(self, "eps", None)
+        return None if eps is None else math.sqrt(eps)
+
 
 class LayerNorm(Norm):
     """y = γ ⊙ (x − μ) / sqrt(σ² + ε) + β over the last dim (Ba et al. 2016); biased variance."""
@@ -315,6 +322,10 @@ class ScaleNorm(Norm):
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return (self.g.float() * F.normalize(x.float(), dim=-1, eps=self.eps)).to(x.dtype)
 
+    def eps_rms(self) -> float:
+        """ε bounds ‖x‖ = √d · RMS from below: ε/√d."""
+        return self.eps / math.sqrt(self.dim)
+
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
 
@@ -328,6 +339,8 @@ class L2Norm(Norm):
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return F.normalize(x.float(), dim=-1, eps=self.eps).to(x.dtype)
+
+    eps_rms = ScaleNorm.eps_rms
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

@@ -17,13 +17,17 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     act/resid_rms/L03, act/resid_max/L03    the residual stream after block 3
     act/out_rms/L03/attn, .../mlp           a sublayer's output, before any output norm
     act/norm_in_rms/L03/norm1, act/norm_out_rms/L03/norm1, ... and .../norm_f
-    act/embed_rms, act/embed_max            the stream entering block 0
+    act/embed_rms, act/embed_max            token + position embedding (before embed_norm's norm)
     act/block_angle/L03, act/token_cos/L03  input/output angle of block 3; cosine between its output's tokens
+    act/block_angle_last/L03                the input/output angle of each sequence's last token
     act/kurtosis/L03, act/max_median/L03    outlier features and massive activations after block 3
-    grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / entering block 0
-    grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_f_norm
-    update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, .../norm_f
-    norm/gain_mean/L03/norm1, .../L03/q_norm (QK-norm), norm/gain_std/..., norm/alpha/..., norm/running_var/...
+    act/max_median_max/L03, act/top_median/L03   the largest per-token ratio; Sun et al.'s per-sequence ratio
+    grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / d(embedding)
+    grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_embed_norm, grad/norm_f_norm
+    update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, .../norm_embed,
+        .../norm_f
+    norm/gain_mean/L03/norm1, .../L03/q_norm (QK-norm), .../norm_embed, norm/gain_std/..., norm/alpha/...,
+        norm/shift/... (Derf), norm/running_var/..., norm/eps_ratio/... (input RMS / sqrt(eps))
     attn/logit_max/L03, attn/entropy/L03, attn/entropy_min/L03
     out/logz                                mean log-partition function of the output logits
 """
@@ -37,8 +41,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from normlab.config import ALPHA_PARAMS, GAIN_PARAMS
 from normlab.keys import layer_key, layer_label, parse
+from normlab.train.probe_norms import eps_floors, eps_ratios, norm_modules, norm_parameter_stats
 from normlab.train.probe_stats import (
     attention_stats,
     block_angle_sum,
@@ -49,19 +53,19 @@ from normlab.train.probe_stats import (
     l2_norms,
     logz_sum,
     max_abs,
-    max_median_sum,
+    max_median_ratios,
     token_cos_sum,
+    top_median_sum,
 )
+
+# The gradient-norm keys of the parameter groups outside the blocks (a block's group 'L03/attn' is grad/norm/L03/attn).
+GROUP_GRAD_KEYS = {"embed": "grad/embed_norm", "norm_embed": "grad/norm_embed_norm", "norm_f": "grad/norm_f_norm"}
 
 # The attention statistics and the max/median ratio are taken on the step's first PROBE_SEQS sequences,
 # however many micro-batches hold them (grad_accum cuts the batch into consecutive chunks, so they are the
 # same sequences whatever its value): the explicit T×T score matrix and the per-token median are the most
 # expensive statistics.
 PROBE_SEQS = 8
-
-# The norm registry names the parameters whose mean and std are a norm's gain (GAIN_PARAMS), and
-# DyT's scalar α, reported as norm/alpha: one name for every norm that has one.
-(ALPHA_PARAM,) = ALPHA_PARAMS
 
 
 def _as_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -70,11 +74,6 @@ def _as_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
         return x
     B, T, C = x.shape
     return x.reshape(B, T, n_head, C // n_head).transpose(1, 2)
-
-
-def _is_norm_slot(name: str, module: nn.Module) -> bool:
-    # Slots are named norm1, norm2, norm1_out, ... in every arm; an unused slot is an nn.Identity.
-    return name.startswith("norm") and not isinstance(module, nn.Identity)
 
 
 class Probe:
@@ -96,7 +95,8 @@ class Probe:
         depth = len(model.blocks)
         self.labels = [layer_label(i, depth) for i in range(depth)]
         self._params, self._groups = self._param_groups()
-        self._norms = self._norm_modules()
+        self._norms = norm_modules(model, self.labels)
+        self._eps_floors = eps_floors(self._norms)
         self._reset()
 
     def _reset(self) -> None:
@@ -113,7 +113,7 @@ class Probe:
 
     def _param_groups(self) -> tuple[list[nn.Parameter], dict[str, list[int]]]:
         """The model's parameters (each once) and groups of their indices by location:
-        'L03' (the whole block), 'L03/attn', 'L03/mlp', 'L03/norms', 'embed', 'norm_f'.
+        'L03' (the whole block), 'L03/attn', 'L03/mlp', 'L03/norms', 'embed', 'norm_embed', 'norm_f'.
 
         'L03/norms' holds every norm parameter of the block, QK-norm's gains included; 'L03/attn'
         holds the attention's projections only."""
@@ -131,6 +131,7 @@ class Probe:
 
         groups = {
             "embed": ids([self.model.tok_emb.weight, self.model.pos_emb.weight]),  # tok_emb is also the tied head
+            "norm_embed": ids(getattr(self.model, "norm_embed", nn.Identity()).parameters()),
             "norm_f": ids(self.model.norm_f.parameters()),
         }
         for label, block in zip(self.labels, self.model.blocks):
@@ -142,20 +143,6 @@ class Probe:
                 groups.setdefault(f"{label}/{part}", []).extend(ids(p for p in child.parameters() if id(p) not in qk))
                 groups.setdefault(f"{label}/norms", []).extend(ids(p for norm in qk_norms for p in norm.parameters()))
         return params, {loc: members for loc, members in groups.items() if members}
-
-    def _norm_modules(self) -> dict[str, nn.Module]:
-        """Every norm that is not an identity, by location: 'L03/norm1', ..., 'L03/q_norm', 'L03/k_norm', 'norm_f'."""
-        norms = {}
-        for label, block in zip(self.labels, self.model.blocks):
-            for name, child in block.named_children():
-                if _is_norm_slot(name, child):
-                    norms[f"{label}/{name}"] = child
-            for name in ("q_norm", "k_norm"):  # QK-norm, one module shared by the heads
-                if not isinstance(getattr(block.attn, name), nn.Identity):
-                    norms[f"{label}/{name}"] = getattr(block.attn, name)
-        if _is_norm_slot("norm_f", self.model.norm_f):
-            norms["norm_f"] = self.model.norm_f
-        return norms
 
     def _update_members(self, loc: str, members: list[int]) -> list[int]:
         """The parameters of update_ratio/<loc>: a whole block's figure ('L03') is over its sublayers'
@@ -174,7 +161,9 @@ class Probe:
     @contextlib.contextmanager
     def watch(self) -> Iterator[None]:
         """Hook the model for the forward and backward passes run inside; every hook is removed on exit."""
-        handles = [self.model.blocks[0].register_forward_pre_hook(self._on_embed)]
+        # The token + position embedding: the input of embed_norm=true's norm, else what enters block 0.
+        embed_norm = self._norms.get("norm_embed")
+        handles = [(self.model.blocks[0] if embed_norm is None else embed_norm).register_forward_pre_hook(self._on_embed)]
         for label, block in zip(self.labels, self.model.blocks):
             handles.append(block.register_forward_hook(self._on_stream(label)))
             handles.append(block.attn.register_forward_hook(self._on_attention(label)))
@@ -219,12 +208,17 @@ class Probe:
         the block `label`, whose input was `x`."""
         tokens = out.numel() // out.size(-1)
         self._add(layer_key("act/block_angle", label), block_angle_sum(x, out), tokens)
+        # Gromov et al.'s and the Curse of Depth's angular distance: the sequence's last token alone.
+        self._add(layer_key("act/block_angle_last", label), block_angle_sum(x[..., -1, :], out[..., -1, :]), out.size(0))
         self._add(layer_key("act/kurtosis", label), feature_square_sums(out), tokens)
         if out.size(-2) > 1:  # a pair of distinct tokens needs two
             self._add(layer_key("act/token_cos", label), token_cos_sum(out), out.size(0))
         rows = self._probe_rows(f"{label}/stream", out.size(0))
         if rows:
-            self._add(layer_key("act/max_median", label), max_median_sum(out[:rows]), rows * out.size(-2))
+            ratios = max_median_ratios(out[:rows])
+            self._add(layer_key("act/max_median", label), ratios.sum(), rows * out.size(-2))
+            self._maxima.setdefault(layer_key("act/max_median_max", label), []).append(ratios.amax())
+            self._add(layer_key("act/top_median", label), top_median_sum(out[:rows]), rows)
 
     def _on_logits(self, module, args, out):
         with torch.no_grad():
@@ -294,16 +288,10 @@ class Probe:
         self._before = torch.cat([p.detach().reshape(-1) for p in self._params])
         self._weight_norms = l2_norms(list(self._params))
         for loc, norm in self._norms.items():
-            for name, param in norm.named_parameters(recurse=False):
-                if name in GAIN_PARAMS:
-                    gain = param.detach().float()
-                    self._scalars[f"norm/gain_mean/{loc}"] = gain.mean()
-                    self._scalars[f"norm/gain_std/{loc}"] = gain.std(correction=0)
-                elif name == ALPHA_PARAM:
-                    self._scalars[f"norm/alpha/{loc}"] = param.detach().float().mean()
+            params = ((name, p.unsqueeze(0)) for name, p in norm.named_parameters(recurse=False))
             running_var = getattr(norm, "running_var", None)
-            if isinstance(running_var, torch.Tensor):
-                self._scalars[f"norm/running_var/{loc}"] = running_var.float().mean()
+            running_var = running_var.unsqueeze(0) if isinstance(running_var, torch.Tensor) else None
+            self._scalars.update({k: v[0] for k, v in norm_parameter_stats(loc, params, running_var).items()})
 
     @torch.no_grad()
     def collect(self) -> dict[str, float]:
@@ -356,11 +344,12 @@ class Probe:
             stats[key] = max(host[f"max:{key}"])
         for key in self._scalars:
             stats[key] = host[f"scalar:{key}"][0]
+        stats.update(eps_ratios(stats, self._eps_floors))
         for key, entries in self._sums.items():
             stats.update(_finish_sum(key, host[f"sums:{key}"], sum(n for _, n in entries)))
         for loc, members in self._groups.items():
             if host["grad"]:
-                key = {"embed": "grad/embed_norm", "norm_f": "grad/norm_f_norm"}.get(loc, f"grad/norm/{loc}")
+                key = GROUP_GRAD_KEYS.get(loc, f"grad/norm/{loc}")
                 stats[key] = _group_norm(host["grad"], members)
             if host["delta"]:
                 updated = self._update_members(loc, members)

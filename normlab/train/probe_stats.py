@@ -14,24 +14,25 @@ import torch.nn.functional as F
 
 
 def attention_stats(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The maximum pre-softmax logit over causal (query, key) pairs, and per head the entropy (nats) of the
-    attention distribution averaged over queries and summed over the B sequences.
+    """The largest attention logit q·k/sqrt(head_dim) over causal (query, key) pairs, and per head the entropy
+    (nats) of the attention distribution averaged over queries and summed over the B sequences.
 
-    The logits are q·k/sqrt(head_dim), or c·tanh(q·k/(sqrt(head_dim)·c)) with `softcap` c (Gemma 2), as the
-    softmax sees them. `q`, `k`: (B, n_head, T, head_dim), as `CausalSelfAttention.heads` returns them.
-    Returns a scalar and an (n_head,) vector: sums over sequences, so that calls on consecutive chunks of
-    a batch add up.
+    The largest logit is taken before any cap: under `softcap` c (Gemma 2) the softmax sees
+    c·tanh(logit/c), whose maximum is c·tanh(max/c) (tanh is increasing), bounded by c whatever the logits'
+    growth; the entropy is that of the distribution the softmax gives, after the cap. `q`, `k`:
+    (B, n_head, T, head_dim), as `CausalSelfAttention.heads` returns them. Returns a scalar and an (n_head,)
+    vector: sums over sequences, so that calls on consecutive chunks of a batch add up.
     """
     q, k = q.float(), k.float()
     T = q.size(-2)
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, -math.inf)
+    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))).masked_fill(future, -math.inf)
+    largest = scores.amax()
+    if softcap:
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(future, -math.inf)  # tanh(-inf) is -1
     p = torch.softmax(scores, dim=-1)
     entropy = -torch.special.xlogy(p, p).sum(-1)  # xlogy(0, 0) = 0 for the masked keys
-    return scores.amax(), entropy.mean(-1).sum(0)
+    return largest, entropy.mean(-1).sum(0)
 
 
 def head_entropy_stats(head_sums: list[float], sequences: int) -> tuple[float, float]:
@@ -76,10 +77,23 @@ def feature_kurtosis(square_sums: list[float]) -> float:
     return m4 / (m2 * m2) if m2 > 0 else math.nan
 
 
-def max_median_sum(y: torch.Tensor) -> torch.Tensor:
-    """The sum over tokens of max_j |y_tj| / median_j |y_tj|, for `y` (..., d). The median is torch's: for an
-    even d the lower of the two middle values (as in He et al.'s code)."""
+def max_median_ratios(y: torch.Tensor) -> torch.Tensor:
+    """Each token's max_j |y_tj| / median_j |y_tj|, for `y` (..., d): a vector with one entry per token. The
+    median is torch's: for an even d the lower of the two middle values (as in He et al.'s code)."""
     a = y.detach().float().abs().reshape(-1, y.size(-1))
+    return a.amax(-1) / a.median(-1).values
+
+
+def max_median_sum(y: torch.Tensor) -> torch.Tensor:
+    """The sum over tokens of `max_median_ratios`."""
+    return max_median_ratios(y).sum()
+
+
+def top_median_sum(y: torch.Tensor) -> torch.Tensor:
+    """Massive activations as Sun et al. (2024) measure them, summed over the sequences of `y` (B, T, d): for
+    each sequence, the largest |y| over its tokens and features / the median |y| over the same T·d values
+    (torch's lower median)."""
+    a = y.detach().float().abs().reshape(y.size(0), -1)
     return (a.amax(-1) / a.median(-1).values).sum()
 
 

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 from normlab.train.callbacks.base import Callback
 from normlab.train.probe import Probe
+from normlab.train.probe_norms import EpsWarnings
 from normlab.train.state import TrainState
 
 
 class Telemetry(Callback):
     """Runs the Probe on its steps: hooks around forward and backward, gradient and weight statistics,
     and the step's statistics added to its record (one host transfer). Telemetry steps are watched:
-    they run the eager model (hooks attach to eager modules) and are always logged."""
+    they run the eager model (hooks attach to eager modules) and are always logged. A norm slot found
+    eps-dominated is named in one warning line of the run's log, once per run."""
 
     name = "telemetry"
 
@@ -21,6 +24,7 @@ class Telemetry(Callback):
         self.probe = probe
         self._watching: contextlib.ExitStack | None = None
         self._active = False
+        self._eps_warnings = EpsWarnings()
 
     def on_step_start(self, state: TrainState) -> None:
         self._active = self.probe.active(state.step)
@@ -43,5 +47,8 @@ class Telemetry(Callback):
     def after_optimizer_step(self, state: TrainState, record: dict[str, Any] | None) -> None:
         if self._active:
             stats = self.probe.collect()  # telemetry's one host transfer
+            warning = self._eps_warnings.line(stats, state.step)
+            if warning:
+                logging.getLogger("normlab").warning(warning)
             if record is not None:
                 record.update(stats)

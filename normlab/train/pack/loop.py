@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -25,8 +26,11 @@ from normlab.train.optim import lr_at
 from normlab.train.pack.checkpoint import OptimizerLayout, Saved, guard_state, member_checkpoint_state, restore_member
 from normlab.train.pack.telemetry import PackedProbe
 from normlab.train.preempt import Preempted
+from normlab.train.probe_norms import EpsWarnings
 from normlab.train.runtime import autocast
 from normlab.train.sinks import RunDir, Sink
+
+log = logging.getLogger("normlab")
 
 
 @dataclass
@@ -70,6 +74,7 @@ class PackLoop:
         self.first_bad = torch.full((pack.size,), -1, dtype=torch.long, device=self.device)
         self.bar = progress(self.base.max_steps, f"pack of {pack.size} ({self.base.label})") if self.base.progress else None
         self.start_step = 0
+        self.eps_warnings = [EpsWarnings() for _ in members]
 
     def checkpoints(self, layout: OptimizerLayout, generators: dict[int, torch.Generator]) -> None:
         """What saving needs beside the pack: the optimizer's state_dict layout and the data generators by seed."""
@@ -130,6 +135,8 @@ class PackLoop:
             watched = self.probe.active(step)
             loss, grad_norm, terms = self._train_step(step, next_batches, watched)
             stats = self.probe.collect() if watched else None
+            if stats is not None:
+                self._warn_eps(step, stats)
             logged = step % base.log_every == 0 or step == base.max_steps - 1 or evaluated or watched
             timing: dict[str, Any] | None = {} if logged else None
             self.clock.after_optimizer_step(clock_state, timing)
@@ -146,6 +153,13 @@ class PackLoop:
         self.clock.on_train_end(clock_state, self.clock_summary)
         if self.bar is not None:
             self.bar.on_train_end(clock_state, {})
+
+    def _warn_eps(self, step: int, stats: list[dict[str, float]]) -> None:
+        """Each member's warning about its eps-dominated norms, as an unpacked run's Telemetry logs it."""
+        for i, member_stats in enumerate(stats):
+            warning = self.eps_warnings[i].line(member_stats, step) if self.members[i].active else None
+            if warning:
+                log.warning("%s: %s", self.cfgs[i].run_name, warning)
 
     def _step_boundary(self, step: int) -> None:
         """After `step` updates: a periodic checkpoint when due, and on a preemption signal a checkpoint and Preempted."""

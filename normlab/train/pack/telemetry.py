@@ -17,10 +17,10 @@ from typing import Iterator
 
 import torch
 
-from normlab.config import GAIN_PARAMS
 from normlab.keys import layer_key
 from normlab.nn.packed import PackedModel, member_norms
-from normlab.train.probe import ALPHA_PARAM, Probe
+from normlab.train.probe import Probe
+from normlab.train.probe_norms import norm_parameter_stats
 
 
 class PackedProbe(Probe):
@@ -156,17 +156,8 @@ class PackedProbe(Probe):
         prefix = {id(m): name for name, m in self.model.named_modules()}
         for loc, norm in self._norms.items():
             owner = prefix[id(norm)]
-            for name, _ in norm.named_parameters(recurse=False):
-                stacked = params[f"{owner}.{name}"].detach().float()
-                gain = stacked.reshape(stacked.shape[0], -1)  # not flatten(1): a scalar (DyT's α) stacks to (M,)
-                if name in GAIN_PARAMS:
-                    self._scalars[f"norm/gain_mean/{loc}"] = gain.mean(1)
-                    self._scalars[f"norm/gain_std/{loc}"] = gain.std(1, correction=0)
-                elif name == ALPHA_PARAM:
-                    self._scalars[f"norm/alpha/{loc}"] = gain.mean(1)
-            running_var = buffers.get(f"{owner}.running_var")
-            if running_var is not None:
-                self._scalars[f"norm/running_var/{loc}"] = running_var.float().flatten(1).mean(1)
+            named = ((name, params[f"{owner}.{name}"]) for name, _ in norm.named_parameters(recurse=False))
+            self._scalars.update(norm_parameter_stats(loc, named, buffers.get(f"{owner}.running_var")))
 
     @torch.no_grad()
     def collect(self) -> list[dict[str, float]]:

@@ -43,13 +43,15 @@ def script(name: str, *args: str, cwd: Path) -> str:
 def script_here(monkeypatch, capsys):
     """script_here(name, *args, cwd=...): scripts/`name` run as `python scripts/name args` runs it (as __main__,
     scripts/ first on sys.path), but in this process, for the scripts that start no normlab command: a fresh
-    Python would import torch again, about 2 s of CPU each. Torch's thread count and the environment are restored."""
+    Python would import torch again, about 2 s of CPU each. Torch's threads, determinism and TF32 flag and
+    the environment are restored."""
 
     def run(name: str, *args: str, cwd: Path) -> str:
         monkeypatch.chdir(cwd)
         monkeypatch.setattr(sys, "argv", [str(SCRIPTS / name), *args])
         monkeypatch.syspath_prepend(str(SCRIPTS))
         environ, threads = dict(os.environ), torch.get_num_threads()
+        deterministic, tf32 = torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32
         os.environ["WANDB_MODE"] = "disabled"
         capsys.readouterr()
         try:
@@ -61,6 +63,8 @@ def script_here(monkeypatch, capsys):
             os.environ.clear()
             os.environ.update(environ)
             torch.set_num_threads(threads)
+            torch.use_deterministic_algorithms(deterministic)
+            torch.backends.cuda.matmul.allow_tf32 = tf32
         out, err = capsys.readouterr()
         assert code == 0, f"{name} failed:\n{out[-2000:]}\n{err[-3000:]}"
         return out
@@ -186,10 +190,10 @@ def test_bench_gpu_says_in_one_line_that_there_is_no_gpu(tmp_path, script_here):
     assert out.splitlines() == ["bench_gpu: no CUDA device: nothing to measure"]
 
 
-def test_bench_gpu_runs_its_reference_and_normlab_variants_on_the_cpu_when_asked(tmp_path):
+def test_bench_gpu_runs_its_reference_and_normlab_variants_on_the_cpu_when_asked(tmp_path, script_here):
     """--cpu: the GPU benchmark's own code (reference loop, normlab runs, table) runs here, figures aside."""
     variants = ["ref eager", "normlab eager", "normlab eager telemetry/2", "normlab eager deterministic"]
-    out = script("bench_gpu.py", "--cpu", "--shapes", "tiny", "--rounds", "1", "--windows", "2", "--every", "2",
+    out = script_here("bench_gpu.py", "--cpu", "--shapes", "tiny", "--rounds", "1", "--windows", "2", "--every", "2",
                  "--precision", "fp32", "--peak-size", "128", "--deterministic", "--only", ",".join(variants), cwd=tmp_path)
     rows = {}
     for line in out.splitlines():

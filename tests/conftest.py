@@ -52,6 +52,20 @@ def _valid(norm: str, placement: str) -> bool:
 VALID_ARMS = [(n, p) for n in NORMS for p in PLACEMENTS if _valid(n, p)]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks (--dist loadgroup)
+def pytest_collection_modifyitems(items):
+    """The tests that share a module-scoped fixture run in one xdist worker, so the fixture is built once, not
+    once per worker (under --dist loadgroup every other test is its own unit, dealt to either worker). A test
+    already in a group (the SLURM cluster's, the GPU's) stays in it."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None or not hasattr(item, "_fixtureinfo"):
+            continue
+        shared = sorted(name for name, defs in item._fixtureinfo.name2fixturedefs.items()
+                        if defs and defs[-1].scope == "module")
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{','.join(shared)}"))
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for the test, whatever OMP_NUM_THREADS says (bit-exact comparisons need it)."""

@@ -150,17 +150,23 @@ def test_causal_stat_rows_of_one_sequence_is_refused():
         cfg.validate()
 
 
-def test_the_twins_script_measures_twin_runs_that_agree(tmp_path, text_data):
+def test_the_twins_script_measures_twin_runs_that_agree(tmp_path, text_data, monkeypatch, capsys, one_thread):
     """scripts/batchnorm_twins.py, one placement, 2 steps: each row holds three computed differences,
-    all small (the twins are the same model up to rounding)."""
-    import subprocess
+    all small (the twins are the same model up to rounding). Run as __main__ in this process (a fresh Python
+    would import torch again, seconds of CPU); one_thread restores the thread count it sets."""
+    import runpy
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "batchnorm_twins.py"
     args = ["--steps", "2", "--placements", "pre", "--text", text_data.files[0]]
-    result = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("pre ")]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    capsys.readouterr()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exit:
+        assert not exit.code, capsys.readouterr().err[-3000:]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("pre ")]
     assert [" ".join(r[1:-3]) for r in rows] == ["packed vs unpacked", "grad_accum 1 vs 4"]
     assert all(0 <= float(x) < 1e-5 for r in rows for x in r[-3:])

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from conftest import tiny_config
+from normlab.cli import main
 from normlab.config.packing import pack_groups
 from test_cli import normlab, run_dirs
 
@@ -195,12 +196,18 @@ def _installed(plugin: str) -> bool:
         (["-m", "pack=yes"], {}, "pack='yes': must be true or false"),
     ],
 )
-def test_what_cannot_pack_is_refused_in_one_line_before_anything_is_written(tmp_path, args, env, message):
+def test_what_cannot_pack_is_refused_in_one_line_before_anything_is_written(tmp_path, args, env, message, monkeypatch,
+                                                                            capsys):
+    # Through normlab.cli.main in this process (what `python -m normlab` calls): a refusal before any job needs no
+    # subprocess, whose start-up (torch's import) costs seconds of CPU.
     pack = [] if "pack=yes" in args else ["pack=true"]
     lrs = ["lr=1e-3,3e-3"] if "-m" in args else []
-    result = normlab("train", *args, *TINY, *lrs, *pack, cwd=tmp_path, env=env)
-    assert result.returncode == 2, result.stderr[-3000:]
-    [line] = result.stderr.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    capsys.readouterr()
+    assert main(["train", *args, *TINY, *lrs, *pack]) == 2, capsys.readouterr().err[-3000:]
+    [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"normlab: error: {message}"), line
     assert not (tmp_path / "outputs").exists()
 

@@ -1,4 +1,5 @@
-"""Smoke tests of scripts/: each benchmark or measurement script runs one tiny round as a real command.
+"""Smoke tests of scripts/: each benchmark or measurement script runs one tiny round as a real command
+(those that start no normlab command run as __main__ in this process, which saves each a torch import).
 
 The scripts rebuild parts of the training loop (bench.py's window clock and reference loop, the
 checkpoint components, the sweep's summaries), so a change to normlab that breaks them should fail
@@ -8,6 +9,7 @@ here. Each test asserts the script's table holds computed figures, not only that
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +39,39 @@ def script(name: str, *args: str, cwd: Path) -> str:
     return result.stdout
 
 
+@pytest.fixture
+def script_here(monkeypatch, capsys):
+    """script_here(name, *args, cwd=...): scripts/`name` run as `python scripts/name args` runs it (as __main__,
+    scripts/ first on sys.path), but in this process, for the scripts that start no normlab command: a fresh
+    Python would import torch again, about 2 s of CPU each. Torch's threads, determinism and TF32 flag and
+    the environment are restored."""
+
+    def run(name: str, *args: str, cwd: Path) -> str:
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", [str(SCRIPTS / name), *args])
+        monkeypatch.syspath_prepend(str(SCRIPTS))
+        environ, threads = dict(os.environ), torch.get_num_threads()
+        deterministic, tf32 = torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32
+        os.environ["WANDB_MODE"] = "disabled"
+        capsys.readouterr()
+        try:
+            runpy.run_path(str(SCRIPTS / name), run_name="__main__")
+            code = 0
+        except SystemExit as exit:
+            code = exit.code or 0
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            torch.set_num_threads(threads)
+            torch.use_deterministic_algorithms(deterministic)
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        out, err = capsys.readouterr()
+        assert code == 0, f"{name} failed:\n{out[-2000:]}\n{err[-3000:]}"
+        return out
+
+    return run
+
+
 def row(out: str, label: str, columns: int) -> list[float]:
     """The first `columns` numbers of the table row that starts with `label` (then two or more spaces)."""
     line = next((l for l in out.splitlines() if re.match(rf"\s*{re.escape(label)}\s{{2,}}", l)), None)
@@ -61,8 +96,8 @@ def test_bench_compares_normlab_with_the_reference_loop(tmp_path):
     assert save_us > 0
 
 
-def test_bench_inprocess_times_the_three_loops(tmp_path):
-    out = script("bench_inprocess.py", *TINY, "log_every=2", "--rounds", "1", "--windows", "1", cwd=tmp_path)
+def test_bench_inprocess_times_the_three_loops(tmp_path, script_here):
+    out = script_here("bench_inprocess.py", *TINY, "log_every=2", "--rounds", "1", "--windows", "1", cwd=tmp_path)
     assert "1 rounds x 1 windows" in out
     assert row(out, "ref", 2)[1] == 1.0  # ref / ref
     for loop in ("ref loop, normlab GPT", "normlab"):
@@ -70,8 +105,8 @@ def test_bench_inprocess_times_the_three_loops(tmp_path):
         assert ms > 0 and ratio > 0
 
 
-def test_bench_telemetry_times_the_three_intervals(tmp_path):
-    out = script("bench_telemetry.py", "--rounds", "1", "--windows", "1", "--every", "2", "--threads", "1",
+def test_bench_telemetry_times_the_three_intervals(tmp_path, script_here):
+    out = script_here("bench_telemetry.py", "--rounds", "1", "--windows", "1", "--every", "2", "--threads", "1",
                  "--batch", "2", "--seq", "16", "--isolated", "2", cwd=tmp_path)
     assert "batch 2 x seq 16" in out and "1 rounds x 1 windows of 2 steps" in out
     assert re.search(r"telemetry\s+wall/step\s+overhead\s+cpu/step\s+overhead", out)
@@ -83,8 +118,8 @@ def test_bench_telemetry_times_the_three_intervals(tmp_path):
     assert isolated and 0 < float(isolated.group(1)) and 0 < float(isolated.group(2))
 
 
-def test_checkpoint_cost_saves_and_restores_the_tiny_model(tmp_path):
-    out = script("checkpoint_cost.py", "tiny", "2", cwd=tmp_path)
+def test_checkpoint_cost_saves_and_restores_the_tiny_model(tmp_path, script_here):
+    out = script_here("checkpoint_cost.py", "tiny", "2", cwd=tmp_path)
     assert "model=tiny depth=2 d_model=32" in out
     size = float(re.search(rf"checkpoint size: {NUMBER} MiB", out).group(1))
     save = float(re.search(rf"save \(write, fsync, rename\): median {NUMBER} ms over 2", out).group(1))
@@ -92,8 +127,8 @@ def test_checkpoint_cost_saves_and_restores_the_tiny_model(tmp_path):
     assert size > 0 and save > 0 and load > 0
 
 
-def test_future_leak_finds_batchnorm_the_only_leak(tmp_path):
-    out = script("future_leak.py", "--batch", "2", "--seq", "16", "--t", "7", cwd=tmp_path)
+def test_future_leak_finds_batchnorm_the_only_leak(tmp_path, script_here):
+    out = script_here("future_leak.py", "--batch", "2", "--seq", "16", "--t", "7", cwd=tmp_path)
     assert "batch 2 × 16, tokens after t=7 changed" in out
     train_leak, eval_leak, scale = row(out, "batch", 3)
     assert train_leak > 0 and eval_leak == 0 and scale > 0  # batch statistics mix positions in training mode
@@ -101,8 +136,8 @@ def test_future_leak_finds_batchnorm_the_only_leak(tmp_path):
         assert row(out, label, 2) == [0.0, 0.0], label
 
 
-def test_norm_throughput_times_every_norm(tmp_path):
-    out = script("norm_throughput.py", "--steps", "1", "--batch", "2", "--seq", "16", cwd=tmp_path)
+def test_norm_throughput_times_every_norm(tmp_path, script_here):
+    out = script_here("norm_throughput.py", "--steps", "1", "--batch", "2", "--seq", "16", cwd=tmp_path)
     assert "batch 2 × 16" in out
     for label in [*NORMS, "batch_causal"]:
         (tokens_per_s,) = row(out, label, 1)
@@ -150,15 +185,15 @@ def test_xiong2020_fig3_tables_the_step0_ffn_gradients_of_both_placements(tmp_pa
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it measures for minutes")
-def test_bench_gpu_says_in_one_line_that_there_is_no_gpu(tmp_path):
-    out = script("bench_gpu.py", "--rounds", "1", cwd=tmp_path)
+def test_bench_gpu_says_in_one_line_that_there_is_no_gpu(tmp_path, script_here):
+    out = script_here("bench_gpu.py", "--rounds", "1", cwd=tmp_path)
     assert out.splitlines() == ["bench_gpu: no CUDA device: nothing to measure"]
 
 
-def test_bench_gpu_runs_its_reference_and_normlab_variants_on_the_cpu_when_asked(tmp_path):
+def test_bench_gpu_runs_its_reference_and_normlab_variants_on_the_cpu_when_asked(tmp_path, script_here):
     """--cpu: the GPU benchmark's own code (reference loop, normlab runs, table) runs here, figures aside."""
     variants = ["ref eager", "normlab eager", "normlab eager telemetry/2", "normlab eager deterministic"]
-    out = script("bench_gpu.py", "--cpu", "--shapes", "tiny", "--rounds", "1", "--windows", "2", "--every", "2",
+    out = script_here("bench_gpu.py", "--cpu", "--shapes", "tiny", "--rounds", "1", "--windows", "2", "--every", "2",
                  "--precision", "fp32", "--peak-size", "128", "--deterministic", "--only", ",".join(variants), cwd=tmp_path)
     rows = {}
     for line in out.splitlines():
@@ -182,8 +217,8 @@ def test_sweep_bench_times_a_sweep_per_setting_and_compares_its_losses(tmp_path)
     assert all("for 2 jobs (completed)" in line and line.endswith("final val losses equal") for line in lines)
 
 
-def test_pack_bench_times_runs_and_both_batchings(tmp_path):
-    out = script("pack_bench.py", "--steps", "2", "--lrs", "1e-3", "--seeds", "0,1", "--rounds", "1",
+def test_pack_bench_times_runs_and_both_batchings(tmp_path, script_here):
+    out = script_here("pack_bench.py", "--steps", "2", "--lrs", "1e-3", "--seeds", "0,1", "--rounds", "1",
                  "--kernel-steps", "1", "--overrides", "batch_size=4", "seq_len=16", "eval_batches=1", cwd=tmp_path)
     assert "2 runs of model=tiny" in out
     sequential, per_run, packed, ratio = map(float, re.search(
@@ -264,7 +299,7 @@ def write_run(sweep: Path, name: str, placement: str, lr: float, seed: int, loss
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_depth_block_angle_tables_each_placement_at_its_best_lr_and_draws_both_panels(tmp_path):
+def test_depth_block_angle_tables_each_placement_at_its_best_lr_and_draws_both_panels(tmp_path, script_here):
     sweep = tmp_path / "sweep"
     angle, ratio, rms = "act/block_angle", "act/max_median", "act/resid_rms"
     init = {angle: [60, 50, 40], ratio: [3, 4, 5], rms: [0.1, 0.2, 0.3]}
@@ -274,7 +309,7 @@ def test_depth_block_angle_tables_each_placement_at_its_best_lr_and_draws_both_p
     write_run(sweep, "2_pre_hi", "pre", 1e-2, 0, 3.0, end([1, 1, 1], [99, 99, 99], [9, 9, 9]))
     for seed in (0, 1):
         write_run(sweep, f"3_lns_s{seed}", "lns", 3e-3, seed, 2.4, end([30, 30, 30], [8, 6, 7], [1, 1, 1]))
-    out = script("depth_block_angle.py", str(sweep), "--figure", str(tmp_path / "angle.png"), cwd=tmp_path)
+    out = script_here("depth_block_angle.py", str(sweep), "--figure", str(tmp_path / "angle.png"), cwd=tmp_path)
     table = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ") for line in out.splitlines()[:4]}
     # pre at lr 3e-3 (mean 2.6), not at 1e-2 (3.0); its end figures are the two seeds' means, per block.
     assert table["pre (Pre-LN)"] == ["pre (Pre-LN)", "3e-3", "2", "2.600 ± 0.141", "45.0 / 15.0", "5 (block 3)",
@@ -287,7 +322,7 @@ def test_depth_block_angle_tables_each_placement_at_its_best_lr_and_draws_both_p
     assert (tmp_path / "angle.png").read_bytes()[:8] == PNG
 
 
-def test_depth_block_angle_tables_the_papers_variants_and_names_eps_dominated_norms(tmp_path):
+def test_depth_block_angle_tables_the_papers_variants_and_names_eps_dominated_norms(tmp_path, script_here):
     sweep = tmp_path / "sweep"
     for seed, ratio in ((0, 0.5), (1, 0.25)):
         telemetry = {0: {"act/block_angle": [10, 20], "act/block_angle_last": [12, 30 + seed],
@@ -295,7 +330,7 @@ def test_depth_block_angle_tables_the_papers_variants_and_names_eps_dominated_no
                      9: {"act/block_angle": [10, 20], "act/block_angle_last": [14, 40],
                          "act/top_median": [6, 1000], "norm/eps_ratio": [2, 3]}}
         write_run(sweep, f"{seed}_reordered", "reordered", 3e-3, seed, 2.5, telemetry)
-    out = script("depth_block_angle.py", str(sweep), cwd=tmp_path)
+    out = script_here("depth_block_angle.py", str(sweep), cwd=tmp_path)
     last = out[out.index("act/block_angle_last"):]
     assert "| reordered (OLMo 2) | 14 | 40 |" in last
     assert "| reordered (OLMo 2) | 6 | 1e+03 |" in out[out.index("(act/top_median)"):]
@@ -303,9 +338,9 @@ def test_depth_block_angle_tables_the_papers_variants_and_names_eps_dominated_no
     assert out.splitlines()[-1] == "- reordered (OLMo 2): step 0: L00 0.25"
 
 
-def test_depth_block_angle_says_in_one_line_when_no_run_logged_the_block_angle(tmp_path):
+def test_depth_block_angle_says_in_one_line_when_no_run_logged_the_block_angle(tmp_path, script_here):
     sweep = tmp_path / "sweep"
     write_run(sweep, "0_pre", "pre", 3e-3, 0, 2.5, {0: {"act/resid_rms": [1, 2]}, 9: {"act/resid_rms": [1, 3]}})
-    out = script("depth_block_angle.py", str(sweep), "--figure", str(tmp_path / "angle.png"), cwd=tmp_path)
+    out = script_here("depth_block_angle.py", str(sweep), "--figure", str(tmp_path / "angle.png"), cwd=tmp_path)
     assert out.splitlines()[2] == "| pre (Pre-LN) | 3e-3 | 1 | 2.500 | — | — | — | 3 |"
     assert out.splitlines()[-1].startswith("no act/block_angle in these runs") and not (tmp_path / "angle.png").exists()

@@ -41,6 +41,15 @@ def value_key(value: Any) -> tuple:
 NORM, PLACEMENT = "norm", "placement"  # the two dimensions of every arm; any other is a config key
 
 
+def dim_order(dim: str, value: Any) -> tuple:
+    """Sort a dimension's values: norms and placements in normlab's order, config values numbers first."""
+    if dim == NORM:
+        return order_key(value, NORMS)
+    if dim == PLACEMENT:
+        return order_key(value, PLACEMENTS)
+    return value_key(value)
+
+
 @dataclass(frozen=True)
 class Arm:
     """One ablation arm: a norm in a placement, plus any other config values that set it apart.

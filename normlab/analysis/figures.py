@@ -20,21 +20,11 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from normlab.analysis.arms import NORM, PLACEMENT, Arm, order_key, value_key
-from normlab.config import NORMS, PLACEMENTS
+from normlab.analysis.arms import Arm, dim_order
 
 STYLES = ("-", "--", ":", "-.")
 DPI = 100
 FONT = 9
-
-
-def dim_order(dim: str, value: Any) -> tuple:
-    """Sort a dimension's values: norms and placements in normlab's order, config values numbers first."""
-    if dim == NORM:
-        return order_key(value, NORMS)
-    if dim == PLACEMENT:
-        return order_key(value, PLACEMENTS)
-    return value_key(value)
 
 
 def dim_text(dim: str, value: Any) -> str:

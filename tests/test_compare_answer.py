@@ -88,7 +88,9 @@ def test_report_opens_with_the_ranked_table_and_the_single_lr_arm_has_no_sensiti
     report = (compare([str(mixed)], out=mixed / "report") / "report.md").read_text()
     headings = re.findall(r"^## (.+)$", report, flags=re.M)
     assert headings[0] == "Ranking" and headings.index("Runs") > headings.index("Did not start") > 0
-    assert report.splitlines()[2] == "**Best: rms model.d_model=128 at lr=3e-3, final val loss 2.5000 (1 seed).**"
+    assert report.splitlines()[2] == ("**Best: rms model.d_model=128 at lr=3e-3, final val loss 2.5000 (1 seed). No "
+                                      "interval for its gap to layer model.d_model=128: rms model.d_model=128 and layer "
+                                      "model.d_model=128 ran one seed; add seeds.**")
     first_table = next(line for line in report.splitlines() if line.startswith("|"))
     assert first_table.split("|")[1].strip() == "rank"
     rows = table(report, "Ranking")
@@ -109,10 +111,12 @@ def test_report_opens_with_the_ranked_table_and_the_single_lr_arm_has_no_sensiti
 def test_the_terminal_shows_the_ranked_table_the_warnings_and_the_path(mixed, capsys):
     assert cli.main(["compare", str(mixed), "--out", str(mixed / "r")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "9 runs in 4 arms. Best: rms model.d_model=128 at lr=3e-3, final val loss 2.5000 (1 seed)."
+    assert lines[0].startswith("9 runs in 4 arms. Best: rms model.d_model=128 at lr=3e-3, final val loss 2.5000 (1 seed). "
+                               "No interval for its gap to layer model.d_model=128:")
     assert lines[2].startswith("rank  arm ")
     assert [line.split("  ")[0] for line in lines[3:7]] == ["1", "2", "3", "4"]
-    assert re.match(r"4\s+layer model\.d_model=64\s+3\.2000\s+1\s+3e-3\s+—¹\s", lines[6]), lines[6]
+    assert re.match(r"4\s+layer model\.d_model=64\s+3\.2000\s+1\s+3e-3\s+\+0\.7000\s+1 seed: no interval\s+—\s+—¹\s",
+                    lines[6]), lines[6]
     assert lines[7].startswith("¹ LR sensitivity: it needs at least two learning rates")
     warned = [line for line in lines if line.startswith("warning: ")]
     assert warned == ["warning: rms model.d_model=64: its runs ran in different environments (torch_threads 1 vs 2): "

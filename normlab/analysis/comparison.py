@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from normlab.analysis.arms import Arm, ArmResult, arm_keys, arm_of, common_settings, labelled, summarize_arm, varying_dims
+from normlab.analysis.gaps import gaps_to_best, seed_count_note
+from normlab.analysis.intervals import Interval
 from normlab.analysis.records import METRICS
 from normlab.analysis.runs import CompareError, Run, load_run
 
@@ -28,10 +30,11 @@ class Comparison:
     common: list[tuple[str, Any]] = field(default_factory=list)  # the settings every run shares
     not_started: list[Run] = field(default_factory=list)  # failed before their first step: in no arm
     environment_warnings: list[str] = field(default_factory=list)  # one line per arm whose runs' environments differ
+    gaps: dict[Arm, Interval] = field(default_factory=dict)  # each ranked arm's loss minus the best arm's (gaps.py)
+    caveats: list[str] = field(default_factory=list)  # what limits the verdict: repeats, seed counts, unbracketed lrs
 
     def run_label(self, run: Run) -> str:
-        rel = os.path.relpath(run.path, self.root)
-        return run.path.name if rel == "." else rel
+        return _relative(run, self.root)
 
     @property
     def ranked(self) -> list[ArmResult]:
@@ -49,6 +52,7 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
             notes.append(f"skipped {err}")
     if not loaded:
         raise CompareError(f"no readable runs: {notes[0].removeprefix('skipped ')}" if notes else "no runs")
+    root = Path(os.path.commonpath([run.path for run in loaded]))
     runs = [run for run in loaded if not run.did_not_start]
     measure = comparison_measure(runs)
     for run in runs:
@@ -62,12 +66,20 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
     arms = [summarize_arm(arm, grouped[arm]) for arm in sorted(grouped, key=Arm.sort_key)]
     ordered = [run for result in arms for run in result.runs]
     notes += _run_notes(ordered)
+    ranked = sorted(arms, key=ArmResult.rank_key)
+    caveats = [c for c in (seed_count_note(ranked), ) if c]
     return Comparison(
         runs=ordered, arms=arms, arm_of={run.path: result.arm for result in arms for run in result.runs},
-        root=Path(os.path.commonpath([run.path for run in loaded])), notes=notes, measure=measure, dims=dims,
+        root=root, notes=notes, measure=measure, dims=dims,
         common=common_settings(runs), not_started=[run for run in loaded if run.did_not_start],
         environment_warnings=[w for result in arms if (w := environment_warning(result))],
+        gaps=gaps_to_best(ranked), caveats=caveats,
     )  # fmt: skip
+
+
+def _relative(run: Run, root: Path) -> str:
+    rel = os.path.relpath(run.path, root)
+    return run.path.name if rel == "." else rel
 
 
 def _run_notes(runs: list[Run]) -> list[str]:

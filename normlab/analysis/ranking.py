@@ -12,14 +12,15 @@ from typing import Any
 
 from normlab.analysis.arms import ArmResult, mean_std, sensitivity_reason, setting_text
 from normlab.analysis.comparison import Comparison
+from normlab.analysis.gaps import interval_text, over, signed, verdict
 from normlab.analysis.runs import MEASURES
 from normlab.analysis.stability import SPIKE_K, SPIKE_WINDOW
 from normlab.config import format_lr
 
 MISSING = "—"
 MARKS = "¹²³⁴⁵⁶⁷⁸⁹"
-HEADER = ("rank", "arm", "final val loss", "seeds", "best lr", "LR sensitivity", "diverged/failed",
-          "max grad norm", "max attn logit", "loss spikes")  # fmt: skip
+HEADER = ("rank", "arm", "final val loss", "seeds", "best lr", "gap to best", "95% interval", "vs best",
+          "LR sensitivity", "diverged/failed", "max grad norm", "max attn logit", "loss spikes")  # fmt: skip
 
 
 def number(value: float, digits: int = 4) -> str:
@@ -53,6 +54,7 @@ def ranking(comparison: Comparison) -> tuple[list[list[str]], list[str]]:
             str(rank) if math.isfinite(result.best_loss) else MISSING,
             result.arm.label,
             *_best_cells(result),
+            *_gap_cells(comparison, result),
             sensitivity,
             f"{result.n_lost} of {result.n_counted}",
             *_stability_cells(result),
@@ -70,6 +72,19 @@ def _best_cells(result: ArmResult) -> list[str]:
     return [loss, str(len(point.finished_losses)), format_lr(point.lr)]
 
 
+def _gap_cells(comparison: Comparison, result: ArmResult) -> list[str]:
+    """gap to best, its 95% interval and what it is over, and whether it is within noise of the best."""
+    if result is comparison.ranked[0] and result.best_point is not None:
+        return ["best", MISSING, MISSING]
+    gap = comparison.gaps.get(result.arm)
+    if gap is None:
+        return [MISSING, MISSING, MISSING]
+    if not gap.has_interval:
+        return [signed(gap.diff), over(gap), MISSING]
+    side = "within noise" if gap.covers_zero else "worse" if gap.low > 0 else "better"
+    return [signed(gap.diff), f"{interval_text(gap)} {over(gap)}", side]
+
+
 def _stability_cells(result: ArmResult) -> list[str]:
     stability = result.stability
     if stability is None:
@@ -85,7 +100,10 @@ def definitions(comparison: Comparison) -> str:
     measure = MEASURES[comparison.measure]
     return (
         f"Arms ranked by their final {measure} at their best learning rate: the mean ± sample std over its "
-        f"seeds at the lr whose seed mean is lowest among the lrs where no seed diverged or failed. LR "
+        f"seeds at the lr whose seed mean is lowest among the lrs where no seed diverged or failed. Gap to best: the arm's loss minus the best arm's, each at its own best lr, with a 95% t interval, "
+        "paired over the seeds both ran when they share two or more, else Welch's; none when either ran one "
+        "seed. Within noise: the interval covers 0. The intervals are per comparison, not adjusted for the "
+        "number of arms. LR "
         "sensitivity (Wortsman et al. 2023) is over all the arm's lrs (see below); diverged/failed counts "
         "its runs that ended. Stability is over every run of the arm (all lrs and seeds), up to any "
         "divergence: max grad norm is the largest logged global gradient norm (`grad_norm`, before "
@@ -106,8 +124,9 @@ def answer(comparison: Comparison) -> str:
         return "No arm has a learning rate at which every seed finished: no arm can be ranked."
     mean, _ = mean_std(best.best_point.finished_losses)
     seeds = len(best.best_point.finished_losses)
+    sure = verdict(comparison.ranked, comparison.gaps)
     return (f"Best: {best.arm.label} at lr={format_lr(best.best_lr)}, final {MEASURES[comparison.measure]} "
-            f"{mean:.4f} ({seeds} seed{'s' if seeds != 1 else ''}).")
+            f"{mean:.4f} ({seeds} seed{'s' if seeds != 1 else ''}).{' ' + sure if sure else ''}")
 
 
 def common_line(comparison: Comparison, code: bool = False) -> str:
@@ -133,6 +152,7 @@ def terminal_summary(comparison: Comparison, shown_not_started: int = 5) -> list
     lines = [f"{count(len(comparison.runs), 'run')} in {count(len(comparison.arms), 'arm')}. {answer(comparison)}"]
     if rows:
         lines += ["", *aligned(header(comparison), rows), *footnotes]
+    lines += [f"note: {caveat}" for caveat in comparison.caveats]
     lines += ["", common_line(comparison)]
     lines += [f"warning: {w}" for w in comparison.environment_warnings]
     for run in comparison.not_started[:shown_not_started]:

@@ -188,7 +188,10 @@ def answer_section(comparison: Comparison) -> list[str]:
     rows, footnotes = ranking(comparison)
     lines = ["## Ranking", ""]
     lines += [*markdown_table(ranking_header(comparison), rows), ""] if rows else []
-    lines += [*footnotes, "" if footnotes else None, definitions(comparison), "", common_line(comparison, code=True)]
+    lines += [*footnotes, "" if footnotes else None]
+    if comparison.caveats:
+        lines += ["What limits this verdict:", "", *(f"- {_cell(caveat)}" for caveat in comparison.caveats), ""]
+    lines += [definitions(comparison), "", common_line(comparison, code=True)]
     return [line for line in lines if line is not None]
 
 

@@ -1,0 +1,106 @@
+"""Tests for how sure `normlab compare` is: gaps to the best arm with 95% intervals (checked against
+scipy.stats), repeated runs counted once, lr bracketing, factor effects and the scale plot; on run dirs
+written with known final losses."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+from normlab.analysis import build_comparison, find_run_dirs
+from normlab.analysis.intervals import mean_interval, paired, welch
+from normlab.analysis.ranking import terminal_summary
+from normlab.analysis.report import write_report
+from test_compare import table, write_run
+
+
+def comparison_of(path: Path):
+    return build_comparison(find_run_dirs([path]))
+
+
+def report_of(path: Path) -> str:
+    """report.md of the runs under `path`, without drawing the plots (fast)."""
+    (path / "report").mkdir(exist_ok=True)
+    return write_report(comparison_of(path), path / "report", [], [str(path)]).read_text()
+
+
+def arm_row(report: str, arm: str) -> dict[str, str]:
+    return next(row for row in table(report, "Ranking") if row["arm"] == arm)
+
+
+# ------------------------------------------------------------------------------------------ intervals
+
+
+def test_intervals_match_scipy_stats():
+    a, b = [3.05, 3.07, 3.06, 3.10], [3.00, 3.01, 3.02, 3.03]
+    got = paired(dict(enumerate(a)), dict(enumerate(b)))
+    want = stats.ttest_rel(a, b).confidence_interval()
+    assert (got.kind, got.n) == ("paired", 4)
+    assert got.diff == pytest.approx(sum(a) / 4 - sum(b) / 4)
+    assert (got.low, got.high) == pytest.approx((want.low, want.high))
+    c = [2.9, 3.2, 3.0]
+    got = welch(c, b)
+    want = stats.ttest_ind(c, b, equal_var=False).confidence_interval()
+    assert (got.kind, got.n, got.n_other) == ("Welch", 3, 4)
+    assert (got.low, got.high) == pytest.approx((want.low, want.high))
+    diffs = [0.01, 0.03, -0.005]
+    want = stats.ttest_1samp(diffs, 0).confidence_interval()
+    assert (mean_interval(diffs).low, mean_interval(diffs).high) == pytest.approx((want.low, want.high))
+    assert not mean_interval([0.2]).has_interval and not welch([3.0], b).has_interval
+    assert paired({0: 3.0, 1: 3.1}, {1: 3.0, 2: 2.9}).n == 1  # one shared seed: no paired interval
+
+
+# ------------------------------------------------------------------------------------------ gaps to the best
+
+
+@pytest.fixture
+def seeded(tmp_path) -> Path:
+    """rms (3 seeds), layer (3 seeds, clearly worse), dyt (3 seeds, within noise of rms), batch (1 seed);
+    placement=pre, lrs 1e-3 and 3e-3 (the worse lr 0.2 higher)."""
+    finals = {"rms": (3.00, 3.01, 3.02), "layer": (3.05, 3.07, 3.06), "dyt": (3.03, 2.99, 3.04), "batch": (3.5,)}
+    for norm, losses in finals.items():
+        for seed, final in enumerate(losses):
+            for lr, worse in ((1e-3, 0.2), (3e-3, 0.0)):
+                write_run(tmp_path / "s" / f"{norm}-{lr}-{seed}", norm=norm, lr=lr, seed=seed, final=final + worse)
+    return tmp_path / "s"
+
+
+def test_the_ranked_table_gives_each_arms_gap_to_the_best_with_its_interval(seeded):
+    report = report_of(seeded)
+    best, layer, dyt, batch = (arm_row(report, arm) for arm in ("rms", "layer", "dyt", "batch"))
+    assert (best["rank"], best["gap to best"], best["vs best"]) == ("1", "best", "—")
+    want = stats.ttest_rel([3.05, 3.07, 3.06], [3.00, 3.01, 3.02]).confidence_interval()
+    assert layer["gap to best"] == "+0.0500"
+    assert layer["95% interval"] == f"[{want.low:+.4f}, {want.high:+.4f}] 3 paired seeds"
+    assert layer["vs best"] == "worse"
+    assert dyt["gap to best"] == "+0.0100" and dyt["vs best"] == "within noise"
+    assert batch["95% interval"] == "1 seed: no interval" and batch["vs best"] == "—"
+
+
+def test_the_answer_says_how_sure_and_a_note_says_the_seed_counts_differ(seeded):
+    lines = terminal_summary(comparison_of(seeded))
+    assert lines[0].endswith("The top 2 arms are within noise of rms (95% intervals of their gaps cover 0): add seeds.")
+    assert any(line.startswith("note: The arms ran different numbers of seeds at their best lr (rms 3, dyt 3, layer 3, "
+                               "batch 1)") for line in lines)
+
+
+def test_a_clear_winner_is_said_with_its_paired_interval(seeded):
+    for run in seeded.glob("dyt-*"):
+        shutil.rmtree(run)
+    report = report_of(seeded)
+    want = stats.ttest_rel([3.05, 3.07, 3.06], [3.00, 3.01, 3.02]).confidence_interval()
+    assert report.splitlines()[2] == (f"**Best: rms at lr=3e-3, final val loss 3.0100 (3 seeds). rms beats layer by 0.0500 "
+                                      f"[{want.low:+.4f}, {want.high:+.4f}], 3 paired seeds.**")
+
+
+def test_arms_without_shared_seeds_are_compared_by_welch(tmp_path):
+    for seed, final in ((0, 3.0), (1, 3.02)):
+        write_run(tmp_path / f"rms-{seed}", lr=3e-3, seed=seed, final=final)
+    for seed, final in ((5, 3.2), (6, 3.25), (7, 3.21)):
+        write_run(tmp_path / f"layer-{seed}", norm="layer", lr=3e-3, seed=seed, final=final)
+    comparison = comparison_of(tmp_path)
+    gap = comparison.gaps[comparison.ranked[1].arm]
+    want = stats.ttest_ind([3.2, 3.25, 3.21], [3.0, 3.02], equal_var=False).confidence_interval()
+    assert (gap.kind, gap.n, gap.n_other) == ("Welch", 3, 2)
+    assert (gap.low, gap.high) == pytest.approx((want.low, want.high))

@@ -403,7 +403,7 @@ def test_without_telemetry_the_per_layer_plots_are_skipped_with_a_note(tmp_path)
 
 def test_default_report_dir_is_the_sweeps_report_else_outputs_reports(tmp_path, monkeypatch):
     write_run(tmp_path / "outputs" / "sweeps" / "s1" / "0_a")
-    write_run(tmp_path / "outputs" / "sweeps" / "s2" / "0_b")
+    write_run(tmp_path / "outputs" / "sweeps" / "s2" / "0_b", seed=1)  # the same seed would be a repeat of 0_a
     monkeypatch.chdir(tmp_path)
     assert compare(["outputs/sweeps/s1"]) == (tmp_path / "outputs" / "sweeps" / "s1" / "report").resolve()
     for paths in (["outputs"], ["outputs/sweeps/s1", "outputs/sweeps/s2"], ["outputs/sweeps/s1/0_a"]):

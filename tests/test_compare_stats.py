@@ -2,6 +2,7 @@
 scipy.stats), repeated runs counted once, lr bracketing, factor effects and the scale plot; on run dirs
 written with known final losses."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -104,3 +105,24 @@ def test_arms_without_shared_seeds_are_compared_by_welch(tmp_path):
     want = stats.ttest_ind([3.2, 3.25, 3.21], [3.0, 3.02], equal_var=False).confidence_interval()
     assert (gap.kind, gap.n, gap.n_other) == ("Welch", 3, 2)
     assert (gap.low, gap.high) == pytest.approx((want.low, want.high))
+
+
+# ------------------------------------------------------------------------------------------ repeated runs
+
+
+def test_a_repeated_run_counts_once_the_newest_completed_with_one_note(tmp_path):
+    write_run(tmp_path / "a", lr=3e-3, seed=0, final=2.40)
+    write_run(tmp_path / "b", lr=3e-3, seed=0, final=2.38, extra_config={"log_every": 5})  # bookkeeping differs
+    write_run(tmp_path / "c", lr=3e-3, seed=0, status="diverged", diverged_step=3)  # newest, but did not complete
+    os.utime(tmp_path / "a" / "summary.json", (1e9, 1e9))
+    os.utime(tmp_path / "b" / "summary.json", (2e9, 2e9))
+    os.utime(tmp_path / "c" / "summary.json", (3e9, 3e9))
+    write_run(tmp_path / "d", lr=3e-3, seed=1, final=2.50)  # another seed: no repeat
+    comparison = comparison_of(tmp_path)
+    assert sorted(run.path.name for run in comparison.runs) == ["b", "d"]
+    assert comparison.caveats[0] == ("Repeated runs (the same config and seed, run again) count once, the newest "
+                                     "completed one: b (kept; also a, c).")
+    report = report_of(tmp_path)
+    row = arm_row(report, "rms-pre")
+    assert (row["final val loss"], row["seeds"]) == ("2.4400 ± 0.0849", "2")
+    assert "b (kept; also a, c)" in report

@@ -13,6 +13,7 @@ from normlab.analysis.arms import Arm, ArmResult, arm_keys, arm_of, common_setti
 from normlab.analysis.gaps import gaps_to_best, seed_count_note
 from normlab.analysis.intervals import Interval
 from normlab.analysis.records import METRICS
+from normlab.analysis.repeats import drop_repeats
 from normlab.analysis.runs import CompareError, Run, load_run
 
 
@@ -53,7 +54,7 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
     if not loaded:
         raise CompareError(f"no readable runs: {notes[0].removeprefix('skipped ')}" if notes else "no runs")
     root = Path(os.path.commonpath([run.path for run in loaded]))
-    runs = [run for run in loaded if not run.did_not_start]
+    runs, repeats = drop_repeats([run for run in loaded if not run.did_not_start], lambda run: _relative(run, root))
     measure = comparison_measure(runs)
     for run in runs:
         run.measure = measure
@@ -67,7 +68,7 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
     ordered = [run for result in arms for run in result.runs]
     notes += _run_notes(ordered)
     ranked = sorted(arms, key=ArmResult.rank_key)
-    caveats = [c for c in (seed_count_note(ranked), ) if c]
+    caveats = [c for c in (repeats, seed_count_note(ranked), ) if c]
     return Comparison(
         runs=ordered, arms=arms, arm_of={run.path: result.arm for result in arms for run in result.runs},
         root=root, notes=notes, measure=measure, dims=dims,
@@ -112,7 +113,7 @@ def environment_warning(result: ArmResult) -> str | None:
 def _once_each(members: list[Run], keys: list[str], notes: list[str]) -> list[Run]:
     """An arm's runs with each training counted once: of runs at the same lr and seed that differ only in
     norm knobs the arm's norm does not read (arm_of leaves those out), the first is kept and the others
-    noted. Runs of one config at one lr and seed (a sweep run twice) are kept, as before."""
+    noted. Runs of one config at one lr and seed (a sweep run twice) are one already (repeats.py)."""
     first: dict[tuple, Run] = {}
     kept = []
     for run in members:

@@ -425,7 +425,7 @@ def test_cli_prints_the_ranked_table_then_the_report_path(tmp_path, capsys):
     assert lines[2].split() == ["rank", "arm", "final", "val", "loss", "seeds", "best", "lr", "gap", "to", "best",
                                 "95%", "interval", "vs", "best", "LR", "sensitivity", "diverged/failed", "max", "grad",
                                 "norm", "max", "attn", "logit", "loss", "spikes"]
-    assert lines[3].split()[:6] == ["1", "rms-pre", "3.0000", "1", "1e-3", "best"]
+    assert lines[3].split()[:6] == ["1", "rms-pre", "3.0000", "1", "1e-3", "(only)"]
     assert (tmp_path / "r" / "report.md").is_file()
 
 

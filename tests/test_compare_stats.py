@@ -10,6 +10,7 @@ import pytest
 from scipy import stats
 
 from normlab.analysis import build_comparison, find_run_dirs
+from normlab.analysis.bracketing import rounded
 from normlab.analysis.intervals import mean_interval, paired, welch
 from normlab.analysis.ranking import terminal_summary
 from normlab.analysis.report import write_report
@@ -126,3 +127,27 @@ def test_a_repeated_run_counts_once_the_newest_completed_with_one_note(tmp_path)
     row = arm_row(report, "rms-pre")
     assert (row["final val loss"], row["seeds"]) == ("2.4400 ± 0.0849", "2")
     assert "b (kept; also a, c)" in report
+
+
+# ------------------------------------------------------------------------------------------ lr bracketing
+
+
+def test_a_best_lr_at_the_edge_of_the_grid_is_marked_with_the_lr_to_add(tmp_path):
+    for lr, final in ((1e-3, 3.1), (3e-3, 3.0)):  # best at the largest
+        write_run(tmp_path / f"layer-{lr}", norm="layer", lr=lr, final=final)
+    for lr, final in ((1e-3, 2.9), (2e-3, 3.0), (4e-3, 3.1)):  # best at the smallest
+        write_run(tmp_path / f"rms-{lr}", lr=lr, final=final)
+    for lr, final in ((1e-3, 3.2), (3e-3, 3.0), (1e-2, 3.3)):  # bracketed
+        write_run(tmp_path / f"dyt-{lr}", norm="dyt", lr=lr, final=final)
+    write_run(tmp_path / "batch", norm="batch", lr=3e-3, final=3.4)  # one lr
+    report = report_of(tmp_path)
+    cells = {arm: arm_row(report, arm)["best lr"] for arm in ("layer", "rms", "dyt", "batch")}
+    assert cells == {"layer": "3e-3 (largest)", "rms": "1e-3 (smallest)", "dyt": "3e-3", "batch": "3e-3 (only)"}
+    assert "- layer: best lr 3e-3 is the largest run; add lr=1e-2" in report
+    assert "- rms: best lr 1e-3 is the smallest run; add lr=5e-4" in report
+    assert "- batch: ran one lr (3e-3), so the optimum is not bracketed; add a smaller and a larger lr" in report
+    assert "- dyt:" not in report
+
+
+def test_the_lr_to_add_is_one_grid_step_rounded_to_a_round_value_nearby():
+    assert [rounded(x) for x in (9e-3, 3e-3 / 3, 1e-3 / 3, 8e-3, 3.3e-2)] == [1e-2, 1e-3, 3e-4, 8e-3, 3e-2]

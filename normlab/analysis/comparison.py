@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.analysis.arms import Arm, ArmResult, arm_keys, arm_of, common_settings, labelled, summarize_arm, varying_dims
+from normlab.analysis.bracketing import bracket_notes
 from normlab.analysis.gaps import gaps_to_best, seed_count_note
 from normlab.analysis.intervals import Interval
 from normlab.analysis.records import METRICS
@@ -68,7 +69,7 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
     ordered = [run for result in arms for run in result.runs]
     notes += _run_notes(ordered)
     ranked = sorted(arms, key=ArmResult.rank_key)
-    caveats = [c for c in (repeats, seed_count_note(ranked), ) if c]
+    caveats = [c for c in (repeats, seed_count_note(ranked), *bracket_notes(ranked)) if c]
     return Comparison(
         runs=ordered, arms=arms, arm_of={run.path: result.arm for result in arms for run in result.runs},
         root=root, notes=notes, measure=measure, dims=dims,

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from normlab.analysis.arms import ArmResult, mean_std, sensitivity_reason, setting_text
+from normlab.analysis.bracketing import edge
 from normlab.analysis.comparison import Comparison
 from normlab.analysis.gaps import interval_text, over, signed, verdict
 from normlab.analysis.runs import MEASURES
@@ -69,7 +70,8 @@ def _best_cells(result: ArmResult) -> list[str]:
         return [MISSING, MISSING, MISSING]
     mean, std = mean_std(point.finished_losses)
     loss = f"{mean:.4f} ± {std:.4f}" if math.isfinite(std) else number(mean)
-    return [loss, str(len(point.finished_losses)), format_lr(point.lr)]
+    at = edge(result)
+    return [loss, str(len(point.finished_losses)), format_lr(point.lr) + (f" ({at})" if at else "")]
 
 
 def _gap_cells(comparison: Comparison, result: ArmResult) -> list[str]:
@@ -100,7 +102,9 @@ def definitions(comparison: Comparison) -> str:
     measure = MEASURES[comparison.measure]
     return (
         f"Arms ranked by their final {measure} at their best learning rate: the mean ± sample std over its "
-        f"seeds at the lr whose seed mean is lowest among the lrs where no seed diverged or failed. Gap to best: the arm's loss minus the best arm's, each at its own best lr, with a 95% t interval, "
+        f"seeds at the lr whose seed mean is lowest among the lrs where no seed diverged or failed; (largest), "
+        "(smallest) or (only) when that lr is at the edge of the lrs the arm ran, so its optimum may lie beyond "
+        "them. Gap to best: the arm's loss minus the best arm's, each at its own best lr, with a 95% t interval, "
         "paired over the seeds both ran when they share two or more, else Welch's; none when either ran one "
         "seed. Within noise: the interval covers 0. The intervals are per comparison, not adjusted for the "
         "number of arms. LR "

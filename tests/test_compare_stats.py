@@ -151,3 +151,58 @@ def test_a_best_lr_at_the_edge_of_the_grid_is_marked_with_the_lr_to_add(tmp_path
 
 def test_the_lr_to_add_is_one_grid_step_rounded_to_a_round_value_nearby():
     assert [rounded(x) for x in (9e-3, 3e-3 / 3, 1e-3 / 3, 8e-3, 3.3e-2)] == [1e-2, 1e-3, 3e-4, 8e-3, 3e-2]
+
+
+# ------------------------------------------------------------------------------------------ factor effects
+
+
+@pytest.fixture
+def grid(tmp_path) -> Path:
+    """norm (rms best by 0.02) × placement (pre best by 0.05) × depth (4 best by 0.2), lr 1e-3/3e-3, 2 seeds,
+    with an interaction (layer-post at depth 2 another 0.04 worse) so that the intervals are not points."""
+    for norm in ("layer", "rms"):
+        for placement in ("pre", "post"):
+            for depth in (2, 4):
+                for lr in (1e-3, 3e-3):
+                    for seed in (0, 1):
+                        final = (3.0 + 0.02 * (norm == "layer") + 0.05 * (placement == "post") + 0.2 * (depth == 2)
+                                 + 0.04 * ((norm, placement, depth) == ("layer", "post", 2))
+                                 + 0.1 * (lr == 1e-3) + 0.01 * seed)
+                        write_run(tmp_path / "g" / f"{norm}-{placement}-{depth}-{lr}-{seed}", norm=norm,
+                                  placement=placement, depth=depth, lr=lr, seed=seed, final=final)
+    return tmp_path / "g"
+
+
+def test_factor_effects_are_mean_differences_over_matched_settings(grid):
+    comparison = comparison_of(grid)
+    effects = {e.factor: e for e in comparison.effects}
+    assert list(effects) == ["norm", "placement", "depth"]
+    assert (effects["norm"].best, effects["placement"].best, effects["depth"].best) == ("rms", "pre", 4)
+    layer = effects["norm"].levels[0]
+    want = stats.ttest_1samp([0.02, 0.02, 0.02, 0.06], 0).confidence_interval()
+    assert (layer.level, layer.effect.n) == ("layer", 4)
+    assert layer.effect.diff == pytest.approx(0.03)
+    assert (layer.effect.low, layer.effect.high) == pytest.approx((want.low, want.high))
+    assert effects["depth"].levels[0].effect.diff == pytest.approx(0.21)
+    out = "\n".join(terminal_summary(comparison))
+    assert f"  norm: rms best; layer +0.0300 [{want.low:+.4f}, {want.high:+.4f}] (4 matched)" in out.replace("−", "-")
+    assert sum(line.startswith("  placement: pre best; post +0.0600 ") for line in out.splitlines()) == 1
+
+
+def test_report_has_a_factor_table_and_a_norm_by_placement_pivot_per_depth(grid):
+    report = report_of(grid)
+    rows = table(report, "Factor effects")
+    assert [(r["factor"], r["level"], r["minus the best level"], r["matched settings"]) for r in rows] == [
+        ("norm", "rms (best)", "—", "—"), ("norm", "layer", "+0.0300", "4"),
+        ("placement", "pre (best)", "—", "—"), ("placement", "post", "+0.0600", "4"),
+        ("depth", "4 (best)", "—", "—"), ("depth", "2", "+0.2100", "4")]  # fmt: skip
+    section = report.split("## Factor effects\n", 1)[1].split("\n## ", 1)[0]
+    assert "Final val loss by norm × placement at depth=2 (best lr, seed mean):" in section
+    depth2 = section.split("at depth=2", 1)[1]
+    assert "| layer | 3.2250 | 3.3150 |" in depth2 and "| rms | 3.2050 | 3.2550 |" in depth2
+    assert "| rms | 3.0050 | 3.0550 |" in section.split("at depth=4", 1)[1]
+
+
+def test_one_varying_key_has_no_factor_section(seeded):
+    assert comparison_of(seeded).effects == []
+    assert "## Factor effects" not in report_of(seeded)

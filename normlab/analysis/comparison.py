@@ -11,6 +11,7 @@ from typing import Any
 
 from normlab.analysis.arms import Arm, ArmResult, arm_keys, arm_of, common_settings, labelled, summarize_arm, varying_dims
 from normlab.analysis.bracketing import bracket_notes
+from normlab.analysis.factors import FactorEffect, factor_effects
 from normlab.analysis.gaps import gaps_to_best, seed_count_note
 from normlab.analysis.intervals import Interval
 from normlab.analysis.records import METRICS
@@ -33,6 +34,7 @@ class Comparison:
     not_started: list[Run] = field(default_factory=list)  # failed before their first step: in no arm
     environment_warnings: list[str] = field(default_factory=list)  # one line per arm whose runs' environments differ
     gaps: dict[Arm, Interval] = field(default_factory=dict)  # each ranked arm's loss minus the best arm's (gaps.py)
+    effects: list[FactorEffect] = field(default_factory=list)  # each varying key's effect (factors.py)
     caveats: list[str] = field(default_factory=list)  # what limits the verdict: repeats, seed counts, unbracketed lrs
 
     def run_label(self, run: Run) -> str:
@@ -75,7 +77,7 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
         root=root, notes=notes, measure=measure, dims=dims,
         common=common_settings(runs), not_started=[run for run in loaded if run.did_not_start],
         environment_warnings=[w for result in arms if (w := environment_warning(result))],
-        gaps=gaps_to_best(ranked), caveats=caveats,
+        gaps=gaps_to_best(ranked), effects=factor_effects(arms, dims), caveats=caveats,
     )  # fmt: skip
 
 

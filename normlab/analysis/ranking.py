@@ -13,6 +13,7 @@ from typing import Any
 from normlab.analysis.arms import ArmResult, mean_std, sensitivity_reason, setting_text
 from normlab.analysis.bracketing import edge
 from normlab.analysis.comparison import Comparison
+from normlab.analysis.factors import factor_line
 from normlab.analysis.gaps import interval_text, over, signed, verdict
 from normlab.analysis.runs import MEASURES
 from normlab.analysis.stability import SPIKE_K, SPIKE_WINDOW
@@ -157,6 +158,9 @@ def terminal_summary(comparison: Comparison, shown_not_started: int = 5) -> list
     if rows:
         lines += ["", *aligned(header(comparison), rows), *footnotes]
     lines += [f"note: {caveat}" for caveat in comparison.caveats]
+    if comparison.effects:
+        lines += ["", "Factor effects (each level minus the best level, matched settings, 95% interval):"]
+        lines += [f"  {factor_line(effect)}" for effect in comparison.effects]
     lines += ["", common_line(comparison)]
     lines += [f"warning: {w}" for w in comparison.environment_warnings]
     for run in comparison.not_started[:shown_not_started]:

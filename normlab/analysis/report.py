@@ -14,6 +14,7 @@ from typing import Any
 
 from normlab.analysis.arms import mean_std
 from normlab.analysis.comparison import Comparison
+from normlab.analysis.effects_section import effects_section
 from normlab.analysis.figures import Layout
 from normlab.analysis.plots import FOCUS, Plot
 from normlab.analysis.ranking import answer, common_line, definitions, markdown_table, ranking
@@ -195,6 +196,10 @@ def answer_section(comparison: Comparison) -> list[str]:
     return [line for line in lines if line is not None]
 
 
+def _then_blank(lines: list[str]) -> list[str]:
+    return [*lines, ""] if lines else []
+
+
 def warnings_section(comparison: Comparison) -> list[str]:
     """The arms whose runs ran in different environments (summary.json's environment block)."""
     if not comparison.environment_warnings:
@@ -231,6 +236,7 @@ def write_report(comparison: Comparison, out: Path, plots: list[Plot], sources: 
         "",
         *answer_section(comparison),
         "",
+        *_then_blank(effects_section(comparison)),
         *warnings_section(comparison),
         *not_started_section(comparison),
         *runs_section(comparison),

@@ -2,6 +2,7 @@
 scipy.stats), repeated runs counted once, lr bracketing, factor effects and the scale plot; on run dirs
 written with known final losses."""
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -12,9 +13,11 @@ from scipy import stats
 from normlab.analysis import build_comparison, find_run_dirs
 from normlab.analysis.bracketing import rounded
 from normlab.analysis.intervals import mean_interval, paired, welch
+from normlab.analysis.plots import Plot
 from normlab.analysis.ranking import terminal_summary
 from normlab.analysis.report import write_report
-from test_compare import table, write_run
+from normlab.analysis.scale_plot import draw_scale, scale_dims
+from test_compare import PNG_MAGIC, table, write_run
 
 
 def comparison_of(path: Path):
@@ -206,3 +209,19 @@ def test_report_has_a_factor_table_and_a_norm_by_placement_pivot_per_depth(grid)
 def test_one_varying_key_has_no_factor_section(seeded):
     assert comparison_of(seeded).effects == []
     assert "## Factor effects" not in report_of(seeded)
+
+
+# ------------------------------------------------------------------------------------------ scale
+
+
+def test_scale_plot_is_drawn_when_depth_varies_and_skipped_otherwise(grid, seeded, tmp_path):
+    for run in grid.iterdir():
+        summary = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").write_text(json.dumps({**summary, "n_params": 1000 * summary["depth"]}))
+    comparison = comparison_of(grid)
+    assert scale_dims(comparison) == ["depth", "n_params"]
+    plot = draw_scale(comparison, tmp_path / "scale.png", Plot("scale.png", "scale"))
+    assert plot.skipped is None and (tmp_path / "scale.png").read_bytes()[:8] == PNG_MAGIC
+    plot = draw_scale(comparison_of(seeded), tmp_path / "none.png", Plot("none.png", "scale"))
+    assert plot.skipped == "neither depth, width nor the parameter count varies between the arms"
+    assert not (tmp_path / "none.png").exists()

@@ -21,12 +21,14 @@ from normlab.analysis.arms import ArmResult, mean_std
 from normlab.analysis.comparison import Comparison
 from normlab.analysis.figures import FONT, Grid, Layout, columns, log_if_wide
 from normlab.analysis.runs import Run
+from normlab.analysis.scale_plot import draw_scale
 from normlab.analysis.stability_plot import draw_stability
 from normlab.config import format_lr
 
 LOSS_CURVES = (("loss", "loss_train.png", "training loss"), ("val_loss", "loss_val.png", "validation loss"))
 LOSS_VS_LR = "final_val_loss_vs_lr.png"
 STABILITY = "stability.png"
+SCALE = "scale.png"
 # The file of each per-layer statistic that keys.LAYER_PROFILES names; one added there without a file
 # here is drawn into layers_<stat with '/' as '_'>.png.
 LAYER_PROFILE_FILES = {keys.GRAD_NORM: "layers_grad_norm.png", keys.RESID_RMS: "layers_resid_rms.png"}
@@ -54,6 +56,11 @@ def write_plots(comparison: Comparison, out: Path) -> list[Plot]:
         plots.append(_loss_curves(comparison, layout, key, label, out / file))
     plots.append(_loss_vs_lr(comparison, layout, out / LOSS_VS_LR))
     plots.append(draw_stability(comparison, layout, out / STABILITY, Plot(STABILITY, "stability of each arm")))
+    scale = draw_scale(comparison, out / SCALE, Plot(SCALE, "final validation loss against scale"))
+    if scale.skipped:  # only a sweep over depth, width or size has a scale axis: no 'Not drawn' line for the others
+        (out / SCALE).unlink(missing_ok=True)
+    else:
+        plots.append(scale)
     for stat, label, _ in keys.LAYER_PROFILES:
         file = LAYER_PROFILE_FILES.get(stat, f"layers_{stat.replace('/', '_')}.png")
         plots.append(_layer_profiles(comparison, layout, stat, label, out / file))

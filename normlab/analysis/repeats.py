@@ -5,6 +5,7 @@ repeat counted as a second seed would show a spread of 0 and an interval it has 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from normlab.analysis.runs import SUMMARY, Run
@@ -14,6 +15,7 @@ from normlab.config import bookkeeping_keys
 BOOKKEEPING = bookkeeping_keys()  # derived from the schema once: it walks the dataclasses' type hints
 
 
+@functools.cache  # a sweep's runs share their few hundred keys: each is judged once
 def _bookkeeping(key: str) -> bool:
     return any(key == p or key.startswith(p + ".") for p in BOOKKEEPING)
 

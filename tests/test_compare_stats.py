@@ -86,8 +86,8 @@ def test_the_ranked_table_gives_each_arms_gap_to_the_best_with_its_interval(seed
 def test_the_answer_says_how_sure_and_a_note_says_the_seed_counts_differ(seeded):
     lines = terminal_summary(comparison_of(seeded))
     assert lines[0].endswith("The top 2 arms are within noise of rms (95% intervals of their gaps cover 0): add seeds.")
-    assert any(line.startswith("note: The arms ran different numbers of seeds at their best lr (rms 3, dyt 3, layer 3, "
-                               "batch 1)") for line in lines)
+    assert any(line.startswith("note: The arms ran different numbers of seeds at their best lr (3 seeds: rms, dyt, "
+                               "layer; 1 seed: batch)") for line in lines)
 
 
 def test_a_clear_winner_is_said_with_its_paired_interval(seeded):
@@ -188,17 +188,18 @@ def test_factor_effects_are_mean_differences_over_matched_settings(grid):
     assert (layer.effect.low, layer.effect.high) == pytest.approx((want.low, want.high))
     assert effects["depth"].levels[0].effect.diff == pytest.approx(0.21)
     out = "\n".join(terminal_summary(comparison))
-    assert f"  norm: rms best; layer +0.0300 [{want.low:+.4f}, {want.high:+.4f}] (4 matched)" in out.replace("−", "-")
+    assert f"  norm: rms best; layer +0.0300 [{want.low:+.4f}, {want.high:+.4f}] (4 matched, within noise)" in out.replace("−", "-")
+    assert "  depth: 4 best; 2 +0.2100 [+0.1782, +0.2418] (4 matched)" in out
     assert sum(line.startswith("  placement: pre best; post +0.0600 ") for line in out.splitlines()) == 1
 
 
 def test_report_has_a_factor_table_and_a_norm_by_placement_pivot_per_depth(grid):
     report = report_of(grid)
     rows = table(report, "Factor effects")
-    assert [(r["factor"], r["level"], r["minus the best level"], r["matched settings"]) for r in rows] == [
-        ("norm", "rms (best)", "—", "—"), ("norm", "layer", "+0.0300", "4"),
-        ("placement", "pre (best)", "—", "—"), ("placement", "post", "+0.0600", "4"),
-        ("depth", "4 (best)", "—", "—"), ("depth", "2", "+0.2100", "4")]  # fmt: skip
+    assert [(r["factor"], r["level"], r["minus the best level"], r["matched settings"], r["vs best level"]) for r in rows] == [
+        ("norm", "rms (best)", "—", "—", "—"), ("norm", "layer", "+0.0300", "4", "within noise"),
+        ("placement", "pre (best)", "—", "—", "—"), ("placement", "post", "+0.0600", "4", "worse"),
+        ("depth", "4 (best)", "—", "—", "—"), ("depth", "2", "+0.2100", "4", "worse")]  # fmt: skip
     section = report.split("## Factor effects\n", 1)[1].split("\n## ", 1)[0]
     assert "Final val loss by norm × placement at depth=2 (best lr, seed mean):" in section
     depth2 = section.split("at depth=2", 1)[1]

@@ -9,7 +9,7 @@ from normlab.analysis.gaps import interval_text, signed
 from normlab.analysis.ranking import markdown_table
 from normlab.analysis.runs import MEASURES
 
-HEADER = ("factor", "level", "minus the best level", "95% interval", "matched settings")
+HEADER = ("factor", "level", "minus the best level", "95% interval", "matched settings", "vs best level")
 
 
 def effects_section(comparison: Comparison) -> list[str]:
@@ -19,11 +19,12 @@ def effects_section(comparison: Comparison) -> list[str]:
     measure = MEASURES[comparison.measure]
     rows = []
     for effect in comparison.effects:
-        rows.append([effect.factor, f"{effect.best} (best)", "—", "—", "—"])
+        rows.append([effect.factor, f"{effect.best} (best)", "—", "—", "—", "—"])
         for level in effect.levels:
             gap = level.effect
             interval = interval_text(gap) if gap.has_interval else "none: 1 pair" if gap.n == 1 else "—"
-            rows.append([effect.factor, str(level.level), signed(gap.diff), interval, str(gap.n)])
+            side = "within noise" if gap.covers_zero else "worse" if gap.has_interval else "—"
+            rows.append([effect.factor, str(level.level), signed(gap.diff), interval, str(gap.n), side])
     lines = [
         "## Factor effects",
         "",
@@ -31,7 +32,7 @@ def effects_section(comparison: Comparison) -> list[str]:
         "its loss minus the factor's best level's. A setting is a value of every other varying key, and a "
         "matched setting one run at both levels; each arm counts at its best lr (its seeds' mean there). The "
         "best level has the lowest mean over the settings that ran every level. The 95% t interval is over the "
-        "matched settings (none with one), per comparison and unadjusted; a norm knob such as `norm.alpha` is "
+        "matched settings (none with one), per comparison and unadjusted; within noise where it covers 0. A norm knob such as `norm.alpha` is "
         "no setting of the norm factor (each norm at its best knob).",
         "",
         *markdown_table(HEADER, rows),

@@ -93,7 +93,8 @@ def level_text(effect: LevelEffect) -> str:
     if n == 0:
         return f"{effect.level} no matched setting"
     spread = f" {interval_text(effect.effect)}" if effect.effect.has_interval else ""
-    return f"{effect.level} {signed(effect.effect.diff)}{spread} ({n} matched)"
+    noise = ", within noise" if effect.effect.covers_zero else ""
+    return f"{effect.level} {signed(effect.effect.diff)}{spread} ({n} matched{noise})"
 
 
 def factor_line(effect: FactorEffect) -> str:

@@ -68,9 +68,12 @@ def verdict(ranked: list[ArmResult], gaps: dict[Arm, Interval]) -> str:
 
 def seed_count_note(ranked: list[ArmResult]) -> str | None:
     """A note when the arms ran different numbers of seeds at their best lr; None when they all ran as many."""
-    counts = {r.arm.label: len(seed_losses(r)) for r in ranked if seed_losses(r)}
-    if len(set(counts.values())) < 2:
+    by_count: dict[int, list[str]] = {}
+    for result in ranked:
+        if n := len(seed_losses(result)):
+            by_count.setdefault(n, []).append(result.arm.label)
+    if len(by_count) < 2:
         return None
-    listed = ", ".join(f"{label} {n}" for label, n in counts.items())
+    listed = "; ".join(f"{n} seed{'s' if n > 1 else ''}: {', '.join(labels)}" for n, labels in sorted(by_count.items(), reverse=True))
     return (f"The arms ran different numbers of seeds at their best lr ({listed}): their gaps to the best are over "
             "different n, and a 1-seed arm has no interval.")

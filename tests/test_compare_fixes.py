@@ -1,0 +1,64 @@
+"""Tests for what a reviewer of `normlab compare` found wrong: common settings that list keys no run reads,
+labels that spell out a model preset key by key, damaged summaries counted as runs, dashes without a
+footnote, per-layer plots that switch scale, a loss plot cut to a sliver, and wall times that disagree."""
+
+from pathlib import Path
+
+import pytest
+
+from normlab.analysis import build_comparison, find_run_dirs
+from normlab.config import reads_key
+from test_compare import write_run
+
+
+def comparison_of(*paths: Path):
+    return build_comparison(find_run_dirs(paths))
+
+
+def common(comparison) -> dict:
+    return dict(comparison.common)
+
+
+def test_common_settings_leave_out_keys_no_compared_run_reads(tmp_path):
+    for lr in (1e-3, 3e-3):
+        write_run(tmp_path / f"none-{lr}", norm="none", lr=lr)
+    shared = common(comparison_of(tmp_path))
+    for unread in ("norm.eps", "mix_p", "data.split", "data.text_field", "data.val_split", "data.streaming",
+                   "tokenizer.vocab_size", "qk_norm_axis", "qk_norm_gains"):
+        assert unread not in shared, unread
+    # what the runs do read stays
+    assert shared["data.source"] == "stdlib" and shared["tokenizer.kind"] == "byte" and shared["qk_norm"] is False
+    assert shared["placement"] == "pre" and shared["norm"] == "none"
+
+
+def test_a_key_is_common_when_one_compared_run_reads_it(tmp_path):
+    write_run(tmp_path / "mix", placement="mix", extra_config={"mix_p": 0.5, "tokenizer.kind": "bpe"})
+    write_run(tmp_path / "pre", placement="pre", extra_config={"mix_p": 0.5, "tokenizer.kind": "bpe"})
+    shared = common(comparison_of(tmp_path))
+    assert shared["mix_p"] == 0.5 and shared["tokenizer.vocab_size"] == 4096
+
+
+def test_runs_that_differ_only_in_a_key_their_choices_do_not_read_are_one_arm(tmp_path):
+    write_run(tmp_path / "a", lr=1e-3, extra_config={"mix_p": 0.25})
+    write_run(tmp_path / "b", lr=3e-3, extra_config={"mix_p": 0.5})
+    comparison = comparison_of(tmp_path)
+    assert [result.arm.label for result in comparison.arms] == ["rms-pre"]
+
+
+@pytest.mark.parametrize(
+    "settings, key, read",
+    [
+        ({"norm.name": "none", "qk_norm": False}, "norm.eps", False),
+        ({"norm.name": "none", "qk_norm": True}, "norm.eps", True),
+        ({"norm.name": "rms"}, "norm.bias", False),
+        ({"norm.name": "layer"}, "norm.bias", True),
+        ({"placement": "pre"}, "mix_p", False),
+        ({"placement": "mix"}, "mix_p", True),
+        ({"data.source": "text"}, "data.text_field", True),
+        ({"data.source": "stdlib"}, "data.text_field", False),
+        ({}, "data.split", True),  # an old run dir that records no choice
+        ({"tokenizer.kind": "byte"}, "depth", True),
+    ],
+)
+def test_reads_key_follows_the_runs_choices(settings, key, read):
+    assert reads_key(settings, key) is read

@@ -2,13 +2,16 @@
 labels that spell out a model preset key by key, damaged summaries counted as runs, dashes without a
 footnote, per-layer plots that switch scale, a loss plot cut to a sliver, and wall times that disagree."""
 
+import json
 from pathlib import Path
 
 import pytest
 
 from normlab.analysis import build_comparison, find_run_dirs
+from normlab.analysis.compare import compare
+from normlab.analysis.ranking import terminal_summary
 from normlab.config import reads_key
-from test_compare import write_run
+from test_compare import run_compare_cli, table, write_run
 
 
 def comparison_of(*paths: Path):
@@ -62,3 +65,30 @@ def test_runs_that_differ_only_in_a_key_their_choices_do_not_read_are_one_arm(tm
 )
 def test_reads_key_follows_the_runs_choices(settings, key, read):
     assert reads_key(settings, key) is read
+
+
+def test_a_summary_whose_loss_is_not_a_number_is_skipped_with_a_note_on_the_terminal_too(tmp_path, capsys):
+    for lr in (1e-3, 3e-3):
+        write_run(tmp_path / "sweep" / f"good-{lr}", lr=lr)
+    bad = write_run(tmp_path / "sweep" / "bad", lr=1e-2)
+    summary = json.loads((bad / "summary.json").read_text())
+    (bad / "summary.json").write_text(json.dumps({**summary, "final_val_loss": "abc"}))
+    report = (compare([str(tmp_path / "sweep")], out=tmp_path / "r") / "report.md").read_text()
+    assert sorted(r["run"] for r in table(report, "Runs")) == ["good-0.001", "good-0.003"]
+    note = f"skipped {bad / 'summary.json'}: final_val_loss=\"abc\" is not a number"
+    assert note in report
+    assert run_compare_cli([str(tmp_path / "sweep"), "--out", str(tmp_path / "r2")]) == 0
+    assert note in capsys.readouterr().out
+    # "inf" and "nan", as metrics are written, stay numbers
+    (bad / "summary.json").write_text(json.dumps({**summary, "final_val_loss": "nan", "status": "diverged"}))
+    assert len(comparison_of(tmp_path / "sweep").runs) == 3
+
+
+def test_a_dash_in_the_loss_spikes_column_has_a_footnote(tmp_path):
+    write_run(tmp_path / "a", max_steps=8)  # 8 logged losses: too few to tell a spike
+    lines = terminal_summary(comparison_of(tmp_path))
+    row = lines[lines.index(next(line for line in lines if line.startswith("rank "))) + 1]
+    mark = row.rstrip()[-1]
+    assert row.rstrip()[-2:] == "—" + mark and mark in "¹²³⁴⁵⁶⁷⁸⁹"
+    footnote = next(line for line in lines if line.startswith(mark + " "))
+    assert "loss spikes" in footnote and "20" in footnote

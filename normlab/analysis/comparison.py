@@ -28,6 +28,7 @@ class Comparison:
     common: list[tuple[str, Any]] = field(default_factory=list)  # the settings every run shares
     not_started: list[Run] = field(default_factory=list)  # failed before their first step: in no arm
     environment_warnings: list[str] = field(default_factory=list)  # one line per arm whose runs' environments differ
+    skipped: list[str] = field(default_factory=list)  # a line per run dir that could not be read (in notes too)
 
     def run_label(self, run: Run) -> str:
         rel = os.path.relpath(run.path, self.root)
@@ -49,6 +50,7 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
             notes.append(f"skipped {err}")
     if not loaded:
         raise CompareError(f"no readable runs: {notes[0].removeprefix('skipped ')}" if notes else "no runs")
+    skipped = list(notes)
     runs = [run for run in loaded if not run.did_not_start]
     measure = comparison_measure(runs)
     for run in runs:
@@ -66,7 +68,7 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
         runs=ordered, arms=arms, arm_of={run.path: result.arm for result in arms for run in result.runs},
         root=Path(os.path.commonpath([run.path for run in loaded])), notes=notes, measure=measure, dims=dims,
         common=common_settings(runs), not_started=[run for run in loaded if run.did_not_start],
-        environment_warnings=[w for result in arms if (w := environment_warning(result))],
+        environment_warnings=[w for result in arms if (w := environment_warning(result))], skipped=skipped,
     )  # fmt: skip
 
 

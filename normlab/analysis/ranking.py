@@ -40,22 +40,23 @@ def header(comparison: Comparison) -> tuple[str, ...]:
 def ranking(comparison: Comparison) -> tuple[list[list[str]], list[str]]:
     """The ranked table's rows (cells as text) and its footnotes, each footnote once, marked ¹, ², ..."""
     footnotes: list[str] = []
+
+    def dash(note: str) -> str:
+        """An em dash with the mark of `note`, which says why the value does not exist."""
+        if note not in footnotes:
+            footnotes.append(note)
+        return MISSING + MARKS[min(footnotes.index(note), len(MARKS) - 1)]
+
     rows = []
     for rank, result in enumerate(comparison.ranked, start=1):
         reason = sensitivity_reason(result)
-        sensitivity = number(result.sensitivity)
-        if reason is not None:
-            note = f"LR sensitivity: {reason}."
-            if note not in footnotes:
-                footnotes.append(note)
-            sensitivity = MISSING + MARKS[min(footnotes.index(note), len(MARKS) - 1)]
         rows.append([
             str(rank) if math.isfinite(result.best_loss) else MISSING,
             result.arm.label,
             *_best_cells(result),
-            sensitivity,
+            number(result.sensitivity) if reason is None else dash(f"LR sensitivity: {reason}."),
             f"{result.n_lost} of {result.n_counted}",
-            *_stability_cells(result),
+            *_stability_cells(result, dash),
         ])  # fmt: skip
     return rows, [f"{MARKS[min(i, len(MARKS) - 1)]} {note}" for i, note in enumerate(footnotes)]
 
@@ -70,14 +71,21 @@ def _best_cells(result: ArmResult) -> list[str]:
     return [loss, str(len(point.finished_losses)), format_lr(point.lr)]
 
 
-def _stability_cells(result: ArmResult) -> list[str]:
+def _stability_cells(result: ArmResult, dash) -> list[str]:
+    """max grad norm, max attn logit, loss spikes; `dash(note)` gives the em dash of a figure no run measured."""
     stability = result.stability
     if stability is None:
         return [MISSING] * 3
-    spikes = MISSING if stability.spikes is None else str(stability.spikes)
-    if stability.spikes:
-        spikes += f" ({stability.runs_with_spikes} of {stability.runs_checked} runs)"
-    return [figure(stability.max_grad_norm), figure(stability.max_attn_logit), spikes]
+    logit = figure(stability.max_attn_logit)
+    if logit == MISSING:
+        logit = dash("max attn logit: no run of the arm logged per-layer `attn/logit_max` telemetry (telemetry.every=0, or metrics.csv).")
+    if stability.spikes is None:
+        spikes = dash(f"loss spikes: no run of the arm logged more than {SPIKE_WINDOW} training losses, too few to tell a spike.")
+    else:
+        spikes = str(stability.spikes)
+        if stability.spikes:
+            spikes += f" ({stability.runs_with_spikes} of {stability.runs_checked} runs)"
+    return [figure(stability.max_grad_norm), logit, spikes]
 
 
 def definitions(comparison: Comparison) -> str:
@@ -128,13 +136,15 @@ def aligned(head: tuple[str, ...], rows: list[list[str]]) -> list[str]:
 
 def terminal_summary(comparison: Comparison, shown_not_started: int = 5) -> list[str]:
     """What `normlab compare` prints before the report's path: the answer, the ranked table, its footnotes,
-    the common settings, the environment warnings and the runs that did not start."""
+    the common settings, the environment warnings, the run dirs skipped as unreadable and the runs that did
+    not start."""
     rows, footnotes = ranking(comparison)
     lines = [f"{count(len(comparison.runs), 'run')} in {count(len(comparison.arms), 'arm')}. {answer(comparison)}"]
     if rows:
         lines += ["", *aligned(header(comparison), rows), *footnotes]
     lines += ["", common_line(comparison)]
     lines += [f"warning: {w}" for w in comparison.environment_warnings]
+    lines += comparison.skipped
     for run in comparison.not_started[:shown_not_started]:
         lines.append(f"did not start: {comparison.run_label(run)}: {run.error}")
     if len(comparison.not_started) > shown_not_started:

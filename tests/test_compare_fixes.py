@@ -92,3 +92,22 @@ def test_a_dash_in_the_loss_spikes_column_has_a_footnote(tmp_path):
     assert row.rstrip()[-2:] == "—" + mark and mark in "¹²³⁴⁵⁶⁷⁸⁹"
     footnote = next(line for line in lines if line.startswith(mark + " "))
     assert "loss spikes" in footnote and "20" in footnote
+
+
+def test_the_job_line_and_the_runs_last_line_say_which_wall_time_each_counts(tmp_path, caplog):
+    import logging
+
+    from normlab.launch.sweep_log import job_line, sweep_table
+    from normlab.train.callbacks.report import RunReport
+
+    job = tmp_path / "3_rms-pre"
+    job.mkdir()
+    summary = {"name": "rms-pre", "status": "completed", "final_val_loss": 2.5, "final_val_bpb": 3.6,
+               "best_val_loss": 2.5, "best_val_bpb": 3.6, "tokens_per_s": 1000.0, "wall_time_s": 42.3}
+    (job / "summary.json").write_text(json.dumps(summary))
+    line = job_line(job)
+    assert "run wall time 42.3 s (set-up included)" in line
+    assert "run wall s" in sweep_table(tmp_path).splitlines()[1]
+    with caplog.at_level(logging.INFO, logger="normlab"):
+        RunReport("rms-pre", "fp32", str(job)).on_train_end(None, summary)
+    assert "training loop " in caplog.text and "s (set-up not included)" in caplog.text

@@ -111,3 +111,44 @@ def test_the_job_line_and_the_runs_last_line_say_which_wall_time_each_counts(tmp
     with caplog.at_level(logging.INFO, logger="normlab"):
         RunReport("rms-pre", "fp32", str(job)).on_train_end(None, summary)
     assert "training loop " in caplog.text and "s (set-up not included)" in caplog.text
+
+
+def drawn_axes(comparison, tmp_path, monkeypatch) -> dict:
+    """{file: [axes]} of every plot write_plots draws."""
+    from normlab.analysis import figures
+    from normlab.analysis.plots import write_plots
+
+    drawn = {}
+    save = figures.Grid.save
+
+    def keep(grid, path):
+        drawn[Path(path).name] = grid.axes
+        save(grid, path)
+
+    monkeypatch.setattr(figures.Grid, "save", keep)
+    write_plots(comparison, tmp_path)
+    return drawn
+
+
+def test_a_loss_curve_of_two_evaluations_is_drawn_whole_not_cut_to_a_sliver(tmp_path, monkeypatch):
+    run = write_run(tmp_path / "runs" / "a", max_steps=100, init=5.5, final=3.0)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:  # evaluations at the first and the last step only
+        if row["step"] not in (0, 100):
+            row.pop("val_loss", None)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    drawn = drawn_axes(comparison_of(tmp_path / "runs"), tmp_path, monkeypatch)
+    low, high = drawn["loss_val.png"][0].get_ylim()
+    assert low < 3.0 and high > 5.5  # both evaluations on the axis: a line across it, not a sliver at its end
+    assert drawn["loss_train.png"][0].get_ylim()[1] < 5.5  # a curve of many points still shows its late part only
+
+
+def test_the_per_layer_plots_use_one_y_scale_on_every_panel(tmp_path, monkeypatch):
+    write_run(tmp_path / "runs" / "a", lr=1e-3, depth=2, telemetry=True)
+    wide = write_run(tmp_path / "runs" / "b", lr=1e-2, depth=2, telemetry=True)
+    rows = [json.loads(line) for line in (wide / "metrics.jsonl").read_text().splitlines()]
+    last = max(i for i, row in enumerate(rows) if "grad/norm/L01" in row)
+    rows[last]["grad/norm/L01"] = 1000 * rows[last]["grad/norm/L00"]  # this panel alone spans 3 decades
+    (wide / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    axes = drawn_axes(comparison_of(tmp_path / "runs"), tmp_path, monkeypatch)["layers_grad_norm.png"]
+    assert len(axes) == 3 and {ax.get_yscale() for ax in axes} == {"log"}

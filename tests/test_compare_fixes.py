@@ -152,3 +152,23 @@ def test_the_per_layer_plots_use_one_y_scale_on_every_panel(tmp_path, monkeypatc
     (wide / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     axes = drawn_axes(comparison_of(tmp_path / "runs"), tmp_path, monkeypatch)["layers_grad_norm.png"]
     assert len(axes) == 3 and {ax.get_yscale() for ax in axes} == {"log"}
+
+
+TINY = {"depth": 2, "seq_len": 64, "model.d_model": 32, "model.n_head": 2, "model.context": 64}
+SMALL = {"depth": 4, "seq_len": 128, "model.d_model": 128, "model.n_head": 4, "model.context": 128}
+
+
+def test_arms_that_differ_by_model_preset_are_labelled_by_its_name(tmp_path):
+    for preset, keys in (("tiny", TINY), ("small", SMALL)):
+        for norm in ("rms", "layer"):
+            write_run(tmp_path / f"{preset}-{norm}", norm=norm, depth=keys["depth"], extra_config={**keys, "max_steps": 8 if preset == "tiny" else 12})
+    labels = sorted(result.arm.label for result in comparison_of(tmp_path).arms)
+    assert labels == ["layer model=small max_steps=12", "layer model=tiny max_steps=8",
+                      "rms model=small max_steps=12", "rms model=tiny max_steps=8"]
+
+
+def test_a_run_that_matches_no_preset_keeps_its_keys_in_the_label(tmp_path):
+    write_run(tmp_path / "tiny", depth=2, extra_config=TINY)
+    write_run(tmp_path / "wide", depth=2, extra_config={**TINY, "model.d_model": 48})
+    labels = sorted(result.arm.label for result in comparison_of(tmp_path).arms)
+    assert labels == ["model.d_model=32", "model.d_model=48"]

@@ -102,11 +102,12 @@ def varying_dims(arms: list[Arm]) -> list[str]:
     return [dim for dim in (NORM, PLACEMENT, *extras) if len({repr(arm.value(dim)) for arm in arms}) > 1]
 
 
-def labelled(arm: Arm, dims: list[str]) -> Arm:
+def labelled(arm: Arm, dims: list[str], named: Iterable[str] = ()) -> Arm:
     """`arm` labelled by its values of `dims` alone: 'rms-pre' when both norm and placement vary, 'rms' or 'pre'
-    when one does, then `key=value` of each other key (a knob its norm does not read is left out)."""
+    when one does, then the `named` words (a preset: 'model=tiny'), then `key=value` of each other key (a knob
+    its norm does not read is left out)."""
     head = "-".join(str(arm.value(d)) for d in (NORM, PLACEMENT) if d in dims)
-    tail = [f"{d}={arm.value(d)}" for d in dims if d not in (NORM, PLACEMENT) and arm.value(d) is not None]
+    tail = [*named, *(f"{d}={arm.value(d)}" for d in dims if d not in (NORM, PLACEMENT) and arm.value(d) is not None)]
     return replace(arm, label=" ".join(filter(None, [head, *tail])) or arm.full_label)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.analysis.arms import Arm, ArmResult, arm_keys, arm_of, common_settings, labelled, summarize_arm, varying_dims
+from normlab.analysis.presets import named_presets
 from normlab.analysis.records import METRICS
 from normlab.analysis.runs import CompareError, Run, load_run
 
@@ -60,7 +61,9 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
     for run in runs:
         grouped.setdefault(arm_of(run, keys), []).append(run)
     dims = varying_dims(list(grouped))
-    grouped = {labelled(arm, dims): _once_each(members, keys, notes) for arm, members in grouped.items()}
+    covered, presets = named_presets({arm: members[0].settings for arm, members in grouped.items()}, dims)
+    label_dims = [d for d in dims if d not in covered]  # a preset's name says them
+    grouped = {labelled(arm, label_dims, presets[arm]): _once_each(members, keys, notes) for arm, members in grouped.items()}
     arms = [summarize_arm(arm, grouped[arm]) for arm in sorted(grouped, key=Arm.sort_key)]
     ordered = [run for result in arms for run in result.runs]
     notes += _run_notes(ordered)

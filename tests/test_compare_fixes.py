@@ -87,7 +87,7 @@ def test_a_summary_whose_loss_is_not_a_number_is_skipped_with_a_note_on_the_term
 def test_a_dash_in_the_loss_spikes_column_has_a_footnote(tmp_path):
     write_run(tmp_path / "a", max_steps=8)  # 8 logged losses: too few to tell a spike
     lines = terminal_summary(comparison_of(tmp_path))
-    row = lines[lines.index(next(line for line in lines if line.startswith("rank "))) + 1]
+    row = lines[lines.index(next(line for line in lines if line.startswith("rank ") and "loss spikes" in line)) + 1]
     mark = row.rstrip()[-1]
     assert row.rstrip()[-2:] == "—" + mark and mark in "¹²³⁴⁵⁶⁷⁸⁹"
     footnote = next(line for line in lines if line.startswith(mark + " "))
@@ -172,3 +172,27 @@ def test_a_run_that_matches_no_preset_keeps_its_keys_in_the_label(tmp_path):
     write_run(tmp_path / "wide", depth=2, extra_config={**TINY, "model.d_model": 48})
     labels = sorted(result.arm.label for result in comparison_of(tmp_path).arms)
     assert labels == ["model.d_model=32", "model.d_model=48"]
+
+
+def test_the_terminal_table_fits_120_columns_whatever_its_columns_and_labels():
+    from normlab.analysis.terminal import fitted
+
+    head = ["rank", "arm", *(f"column {i}" for i in range(12))]
+    rows = [[str(r), f"arm {r}", *(f"{r}.{i:08d}" for i in range(12))] for r in (1, 2)]
+    lines = fitted(head, rows)
+    assert max(map(len, lines)) <= 120
+    blocks = [line for line in lines if line.startswith("rank")]
+    assert len(blocks) == 2 and all(line.split()[:2] == ["rank", "arm"] for line in blocks)
+    assert sum(line.count("column") for line in blocks) == 12  # every column once
+    long = [[str(r), f"rms-pre model=small max_steps=500 {'x' * 30}{r}", "2.5"] for r in (1, 2)]
+    lines = fitted(["rank", "arm", "loss"], long)
+    assert lines[1].split() == ["1", "A1", "2.5"] and lines[-2:] == [f"A1  {long[0][1]}", f"A2  {long[1][1]}"]
+
+
+def test_the_ranked_table_on_the_terminal_is_within_120_columns(tmp_path):
+    for preset, keys in (("tiny", TINY), ("small", SMALL)):
+        for lr in (1e-3, 3e-3):
+            write_run(tmp_path / f"{preset}-{lr}", lr=lr, depth=keys["depth"], extra_config={**keys, "max_steps": 500})
+    lines = terminal_summary(comparison_of(tmp_path))
+    table_lines = lines[2:lines.index(next(line for line in lines if line.startswith("Common settings"))) - 1]
+    assert max(map(len, table_lines)) <= 120 and sum(line.startswith("rank") for line in table_lines) >= 2

@@ -8,12 +8,14 @@ one learning rate), the dash carries a footnote mark and the footnote says why.
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any
 
 from normlab.analysis.arms import ArmResult, mean_std, sensitivity_reason, setting_text
 from normlab.analysis.comparison import Comparison
 from normlab.analysis.runs import MEASURES
 from normlab.analysis.stability import SPIKE_K, SPIKE_WINDOW
+from normlab.analysis.terminal import WIDTH, fitted
 from normlab.config import format_lr
 
 MISSING = "—"
@@ -128,12 +130,6 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def aligned(head: tuple[str, ...], rows: list[list[str]]) -> list[str]:
-    """Rows as text columns padded to a common width (two spaces apart)."""
-    widths = [max(len(row[i]) for row in [list(head), *rows]) for i in range(len(head))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [list(head), *rows]]
-
-
 def terminal_summary(comparison: Comparison, shown_not_started: int = 5) -> list[str]:
     """What `normlab compare` prints before the report's path: the answer, the ranked table, its footnotes,
     the common settings, the environment warnings, the run dirs skipped as unreadable and the runs that did
@@ -141,8 +137,9 @@ def terminal_summary(comparison: Comparison, shown_not_started: int = 5) -> list
     rows, footnotes = ranking(comparison)
     lines = [f"{count(len(comparison.runs), 'run')} in {count(len(comparison.arms), 'arm')}. {answer(comparison)}"]
     if rows:
-        lines += ["", *aligned(header(comparison), rows), *footnotes]
-    lines += ["", common_line(comparison)]
+        lines += ["", *fitted(header(comparison), rows), *footnotes]
+    lines += ["", *textwrap.wrap(common_line(comparison), WIDTH, subsequent_indent="  ", break_long_words=False,
+                                 break_on_hyphens=False)]  # fmt: skip
     lines += [f"warning: {w}" for w in comparison.environment_warnings]
     lines += comparison.skipped
     for run in comparison.not_started[:shown_not_started]:

@@ -19,7 +19,8 @@ from matplotlib.ticker import MaxNLocator, NullFormatter
 from normlab import keys
 from normlab.analysis.arms import ArmResult, mean_std
 from normlab.analysis.comparison import Comparison
-from normlab.analysis.figures import FONT, Grid, Layout, columns, log_if_wide
+from normlab.analysis.exports import FIGURE_FORMATS
+from normlab.analysis.figures import FONT, FORMATS, Grid, Layout, columns, log_if_wide
 from normlab.analysis.runs import Run
 from normlab.analysis.stability_plot import draw_stability
 from normlab.config import format_lr
@@ -44,8 +45,24 @@ class Plot:
     skipped: str | None = None
 
 
-def write_plots(comparison: Comparison, out: Path) -> list[Plot]:
-    """Draw every plot of the report into `out`; a plot with nothing to show is skipped, with the reason."""
+def write_plots(comparison: Comparison, out: Path, formats: tuple[str, ...] = ("png",)) -> list[Plot]:
+    """Draw every plot of the report into `out`, once in each of `formats` (figures.FIGURE_FORMATS); a plot with
+    nothing to show is skipped, with the reason. Each Plot's file is in the first format."""
+    token = FORMATS.set(tuple(formats))
+    try:
+        plots = _draw_all(comparison, out)
+    finally:
+        FORMATS.reset(token)
+    for plot in plots:
+        stem = Path(plot.file).stem
+        for fmt in FIGURE_FORMATS:
+            if plot.skipped or fmt not in formats:  # a stale file from an earlier report would contradict report.md
+                (out / f"{stem}.{fmt}").unlink(missing_ok=True)
+        plot.file = f"{stem}.{formats[0]}"
+    return plots
+
+
+def _draw_all(comparison: Comparison, out: Path) -> list[Plot]:
     layout = Layout([result.arm for result in comparison.arms], comparison.dims)
     plots = []
     for key, file, label in LOSS_CURVES:
@@ -57,9 +74,6 @@ def write_plots(comparison: Comparison, out: Path) -> list[Plot]:
     for stat, label, _ in keys.LAYER_PROFILES:
         file = LAYER_PROFILE_FILES.get(stat, f"layers_{stat.replace('/', '_')}.png")
         plots.append(_layer_profiles(comparison, layout, stat, label, out / file))
-    for plot in plots:
-        if plot.skipped:  # a stale file from an earlier report would contradict report.md
-            (out / plot.file).unlink(missing_ok=True)
     return plots
 
 

@@ -18,6 +18,7 @@ from normlab.analysis.comparison import Comparison, build_comparison
 from normlab.analysis.exports import FIGURE_FORMATS
 from normlab.analysis.ranking import terminal_summary
 from normlab.analysis.runs import CONFIG, METRICS, SUMMARY, CompareError, find_run_dirs
+from normlab.analysis.workspace import EXTRA, SPEC, check_installed, save_workspaces
 from normlab.util.errors import fail
 
 
@@ -88,13 +89,20 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="a run dir, a sweep dir, or the outputs/ root")
     parser.add_argument("--out", metavar="DIR", help="report dir (default: <sweep dir>/report, else outputs/reports/<time>)")
+    parser.add_argument("--wandb", action="store_true",
+                        help="also save the comparison as a wandb workspace for the runs' project and group "
+                        f"(needs wandb-workspaces: {EXTRA}); offline, its spec goes to <report dir>/{SPEC}")
     parser.add_argument("--format", default="png", metavar="FMT[,FMT]",
                         help=f"figure formats, comma-separated: {', '.join(FIGURE_FORMATS)} (default: png)")
     args = parser.parse_args(argv)
     try:
+        if args.wandb:
+            check_installed()
         comparison, report_dir = write_comparison(args.paths, args.out, parse_formats(args.format))
     except CompareError as err:
         return fail(err)
     print("\n".join(terminal_summary(comparison)))
     print(f"\nreport: {report_dir / 'report.md'}")
+    if args.wandb:
+        print(save_workspaces(comparison, report_dir, f"normlab compare: {report_dir.parent.name or report_dir.name}"))
     return 0

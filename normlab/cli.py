@@ -22,8 +22,9 @@ commands:
             `normlab train --help` lists the config groups and their options
   resume    continue a stopped run in its own dir, with its saved config (= normlab train resume=RUN_DIR)
             `normlab resume RUN_DIR [overrides]`; overrides may change bookkeeping keys only (ckpt.*, wandb.*, ...)
-  compare   compare runs: report.md (runs, LR sensitivity, seeds) and PNG plots, from run files
-            `normlab compare PATH... [--out DIR] [--format png,svg,pdf] [--wandb]`; PATH: a run dir, a sweep dir or outputs/
+  compare   compare runs: report.md (ranked arms, runs, LR sensitivity, seeds), plots and CSV/JSON tables
+            `normlab compare PATH... [--out DIR] [--format png,svg,pdf] [--wandb]`
+            PATH: a run dir, a sweep dir or outputs/
   ls        list runs: status (running while its lock is held), step of max_steps, val loss, wall, age
             `normlab ls [DIR...] [--json]`; DIR: a run dir, a sweep dir or outputs/ (the default)
   sample    print text from a trained model

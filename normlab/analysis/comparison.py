@@ -14,6 +14,7 @@ from normlab.analysis.bracketing import bracket_notes
 from normlab.analysis.factors import FactorEffect, factor_effects
 from normlab.analysis.gaps import gaps_to_best, seed_count_note
 from normlab.analysis.intervals import Interval
+from normlab.analysis.presets import named_presets
 from normlab.analysis.records import METRICS
 from normlab.analysis.repeats import drop_repeats
 from normlab.analysis.runs import CompareError, Run, load_run
@@ -36,6 +37,7 @@ class Comparison:
     gaps: dict[Arm, Interval] = field(default_factory=dict)  # each ranked arm's loss minus the best arm's (gaps.py)
     effects: list[FactorEffect] = field(default_factory=list)  # each varying key's effect (factors.py)
     caveats: list[str] = field(default_factory=list)  # what limits the verdict: repeats, seed counts, unbracketed lrs
+    skipped: list[str] = field(default_factory=list)  # a line per run dir that could not be read (in notes too)
 
     def run_label(self, run: Run) -> str:
         return _relative(run, self.root)
@@ -56,6 +58,7 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
             notes.append(f"skipped {err}")
     if not loaded:
         raise CompareError(f"no readable runs: {notes[0].removeprefix('skipped ')}" if notes else "no runs")
+    skipped = list(notes)
     root = Path(os.path.commonpath([run.path for run in loaded]))
     runs, repeats = drop_repeats([run for run in loaded if not run.did_not_start], lambda run: _relative(run, root))
     measure = comparison_measure(runs)
@@ -66,7 +69,9 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
     for run in runs:
         grouped.setdefault(arm_of(run, keys), []).append(run)
     dims = varying_dims(list(grouped))
-    grouped = {labelled(arm, dims): _once_each(members, keys, notes) for arm, members in grouped.items()}
+    covered, presets = named_presets({arm: members[0].settings for arm, members in grouped.items()}, dims)
+    label_dims = [d for d in dims if d not in covered]  # a preset's name says them
+    grouped = {labelled(arm, label_dims, presets[arm]): _once_each(members, keys, notes) for arm, members in grouped.items()}
     arms = [summarize_arm(arm, grouped[arm]) for arm in sorted(grouped, key=Arm.sort_key)]
     ordered = [run for result in arms for run in result.runs]
     notes += _run_notes(ordered)
@@ -76,7 +81,7 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
         runs=ordered, arms=arms, arm_of={run.path: result.arm for result in arms for run in result.runs},
         root=root, notes=notes, measure=measure, dims=dims,
         common=common_settings(runs), not_started=[run for run in loaded if run.did_not_start],
-        environment_warnings=[w for result in arms if (w := environment_warning(result))],
+        environment_warnings=[w for result in arms if (w := environment_warning(result))], skipped=skipped,
         gaps=gaps_to_best(ranked), effects=factor_effects(arms, dims), caveats=caveats,
     )  # fmt: skip
 

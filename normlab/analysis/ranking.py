@@ -8,6 +8,7 @@ one learning rate), the dash carries a footnote mark and the footnote says why.
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any
 
 from normlab.analysis.arms import ArmResult, mean_std, sensitivity_reason, setting_text
@@ -17,6 +18,7 @@ from normlab.analysis.factors import factor_line
 from normlab.analysis.gaps import interval_text, over, signed, verdict
 from normlab.analysis.runs import MEASURES
 from normlab.analysis.stability import SPIKE_K, SPIKE_WINDOW
+from normlab.analysis.terminal import WIDTH, fitted
 from normlab.config import format_lr
 
 MISSING = "—"
@@ -43,23 +45,24 @@ def header(comparison: Comparison) -> tuple[str, ...]:
 def ranking(comparison: Comparison) -> tuple[list[list[str]], list[str]]:
     """The ranked table's rows (cells as text) and its footnotes, each footnote once, marked ¹, ², ..."""
     footnotes: list[str] = []
+
+    def dash(note: str) -> str:
+        """An em dash with the mark of `note`, which says why the value does not exist."""
+        if note not in footnotes:
+            footnotes.append(note)
+        return MISSING + MARKS[min(footnotes.index(note), len(MARKS) - 1)]
+
     rows = []
     for rank, result in enumerate(comparison.ranked, start=1):
         reason = sensitivity_reason(result)
-        sensitivity = number(result.sensitivity)
-        if reason is not None:
-            note = f"LR sensitivity: {reason}."
-            if note not in footnotes:
-                footnotes.append(note)
-            sensitivity = MISSING + MARKS[min(footnotes.index(note), len(MARKS) - 1)]
         rows.append([
             str(rank) if math.isfinite(result.best_loss) else MISSING,
             result.arm.label,
             *_best_cells(result),
             *_gap_cells(comparison, result),
-            sensitivity,
+            number(result.sensitivity) if reason is None else dash(f"LR sensitivity: {reason}."),
             f"{result.n_lost} of {result.n_counted}",
-            *_stability_cells(result),
+            *_stability_cells(result, dash),
         ])  # fmt: skip
     return rows, [f"{MARKS[min(i, len(MARKS) - 1)]} {note}" for i, note in enumerate(footnotes)]
 
@@ -88,14 +91,21 @@ def _gap_cells(comparison: Comparison, result: ArmResult) -> list[str]:
     return [signed(gap.diff), f"{interval_text(gap)} {over(gap)}", side]
 
 
-def _stability_cells(result: ArmResult) -> list[str]:
+def _stability_cells(result: ArmResult, dash) -> list[str]:
+    """max grad norm, max attn logit, loss spikes; `dash(note)` gives the em dash of a figure no run measured."""
     stability = result.stability
     if stability is None:
         return [MISSING] * 3
-    spikes = MISSING if stability.spikes is None else str(stability.spikes)
-    if stability.spikes:
-        spikes += f" ({stability.runs_with_spikes} of {stability.runs_checked} runs)"
-    return [figure(stability.max_grad_norm), figure(stability.max_attn_logit), spikes]
+    logit = figure(stability.max_attn_logit)
+    if logit == MISSING:
+        logit = dash("max attn logit: no run of the arm logged per-layer `attn/logit_max` telemetry (telemetry.every=0, or metrics.csv).")
+    if stability.spikes is None:
+        spikes = dash(f"loss spikes: no run of the arm logged more than {SPIKE_WINDOW} training losses, too few to tell a spike.")
+    else:
+        spikes = str(stability.spikes)
+        if stability.spikes:
+            spikes += f" ({stability.runs_with_spikes} of {stability.runs_checked} runs)"
+    return [figure(stability.max_grad_norm), logit, spikes]
 
 
 def definitions(comparison: Comparison) -> str:
@@ -144,25 +154,22 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def aligned(head: tuple[str, ...], rows: list[list[str]]) -> list[str]:
-    """Rows as text columns padded to a common width (two spaces apart)."""
-    widths = [max(len(row[i]) for row in [list(head), *rows]) for i in range(len(head))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [list(head), *rows]]
-
-
 def terminal_summary(comparison: Comparison, shown_not_started: int = 5) -> list[str]:
     """What `normlab compare` prints before the report's path: the answer, the ranked table, its footnotes,
-    the common settings, the environment warnings and the runs that did not start."""
+    the common settings, the environment warnings, the run dirs skipped as unreadable and the runs that did
+    not start."""
     rows, footnotes = ranking(comparison)
     lines = [f"{count(len(comparison.runs), 'run')} in {count(len(comparison.arms), 'arm')}. {answer(comparison)}"]
     if rows:
-        lines += ["", *aligned(header(comparison), rows), *footnotes]
+        lines += ["", *fitted(header(comparison), rows), *footnotes]
     lines += [f"note: {caveat}" for caveat in comparison.caveats]
     if comparison.effects:
         lines += ["", "Factor effects (each level minus the best level, matched settings, 95% interval):"]
         lines += [f"  {factor_line(effect)}" for effect in comparison.effects]
-    lines += ["", common_line(comparison)]
+    lines += ["", *textwrap.wrap(common_line(comparison), WIDTH, subsequent_indent="  ", break_long_words=False,
+                                 break_on_hyphens=False)]  # fmt: skip
     lines += [f"warning: {w}" for w in comparison.environment_warnings]
+    lines += comparison.skipped
     for run in comparison.not_started[:shown_not_started]:
         lines.append(f"did not start: {comparison.run_label(run)}: {run.error}")
     if len(comparison.not_started) > shown_not_started:

@@ -59,13 +59,33 @@ def arm_records(comparison: Comparison) -> list[dict[str, Any]]:
     records = []
     for result, row in zip(comparison.ranked, rows):
         record: dict[str, Any] = {}
+        gap = _gap_values(comparison, result)  # the gap columns' text ("−0.0100", "[−0.05, +0.07] 3 paired seeds")
         for column, text in zip(head, row):
-            record.update(cell_values(column, text))
+            if column == "gap to best":
+                record[column] = gap.pop(column)
+            elif column == "95% interval":
+                record.update(gap)
+            else:
+                record.update(cell_values(column, text))
         record.update(_exact(result, MEASURES[comparison.measure]))
         record["arm (full)"] = result.arm.full_label
         record.update({"norm": result.arm.norm, "placement": result.arm.placement, **dict(result.arm.extras)})
         records.append(record)
     return records
+
+
+def _gap_values(comparison: Comparison, result: ArmResult) -> dict[str, Any]:
+    """The gap to the best arm as numbers: the gap (0 on the best arm's row), its 95% interval's bounds (None
+    without one), what it is over ("paired", "Welch") and its numbers of seeds."""
+    if result is comparison.ranked[0] and result.best_point is not None:
+        return {"gap to best": 0.0, "95% interval low": None, "95% interval high": None, "gap kind": None, "gap n": None,
+                "gap n other": None}  # fmt: skip
+    gap = comparison.gaps.get(result.arm)
+    if gap is None:
+        return {"gap to best": None, "95% interval low": None, "95% interval high": None, "gap kind": None, "gap n": None,
+                "gap n other": None}  # fmt: skip
+    return {"gap to best": _finite(gap.diff), "95% interval low": _finite(gap.low), "95% interval high": _finite(gap.high),
+            "gap kind": gap.kind, "gap n": gap.n, "gap n other": gap.n_other or None}  # fmt: skip
 
 
 def _exact(result: ArmResult, measure: str) -> dict[str, Any]:

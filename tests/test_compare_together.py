@@ -8,6 +8,7 @@ from scipy import stats
 from normlab.analysis import build_comparison, find_run_dirs
 from normlab.analysis.exports import arm_records, csv_text
 from normlab.analysis.ranking import terminal_summary
+from normlab.analysis.terminal import fitted
 from test_compare import write_run
 
 
@@ -32,6 +33,24 @@ def test_arms_exports_hold_the_gap_and_its_interval_as_numbers(tmp_path):
     json.dumps(list(records.values()), allow_nan=False)  # numbers, no NaN
     head = csv_text(list(records.values())).splitlines()[0].split(",")
     assert "95% interval low" in head and "95% interval high" in head and "95% interval" not in head
+
+
+def test_a_gap_its_interval_and_verdict_stay_in_one_block_of_the_terminal_table(tmp_path):
+    head = ["rank", "arm", "a" * 50, "gap to best", "95% interval", "vs best", "b" * 10]
+    rows = [["1", "x", "1", "+0.1", "[−0.0557, +0.0757] 3 paired seeds", "within noise", "2"]]
+    lines = fitted(head, rows, together=((3, 4, 5),))
+    blocks = [line.split() for line in lines if line.startswith("rank")]
+    assert blocks[0][2:] == ["a" * 50] and blocks[1][2:5] == ["gap", "to", "best"] and "noise" in lines[-1]
+    # without the group the greedy fill would have put the gap beside the first column and split it
+    assert [line.split() for line in fitted(head, rows) if line.startswith("rank")][0][2:6] == ["a" * 50, "gap", "to", "best"]
+    for norm in ("rms", "layer"):
+        for seed in (0, 1):
+            write_run(tmp_path / f"{norm}-{seed}", norm=norm, lr=3e-3, seed=seed, final=3.0 + seed / 50,
+                      extra_config={"model.d_model": 128, "optim.warmup_steps": 7 + seed % 1})
+    lines = terminal_summary(comparison_of(tmp_path))
+    heads = [line for line in lines if line.startswith("rank  arm")]
+    assert sum("gap to best" in h for h in heads) == 1
+    assert all(("95% interval" in h) == ("gap to best" in h) == ("vs best" in h) for h in heads)
 
 
 def test_a_key_nobody_reads_is_no_factor(tmp_path):

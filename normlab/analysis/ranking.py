@@ -161,7 +161,8 @@ def terminal_summary(comparison: Comparison, shown_not_started: int = 5) -> list
     rows, footnotes = ranking(comparison)
     lines = [f"{count(len(comparison.runs), 'run')} in {count(len(comparison.arms), 'arm')}. {answer(comparison)}"]
     if rows:
-        lines += ["", *fitted(header(comparison), rows), *footnotes]
+        gap_columns = tuple(HEADER.index(c) for c in ("gap to best", "95% interval", "vs best"))
+        lines += ["", *fitted(header(comparison), rows, together=(gap_columns,)), *footnotes]
     lines += [f"note: {caveat}" for caveat in comparison.caveats]
     if comparison.effects:
         lines += ["", "Factor effects (each level minus the best level, matched settings, 95% interval):"]

@@ -18,10 +18,11 @@ def aligned(head: tuple[str, ...] | list[str], rows: list[list[str]]) -> list[st
 
 
 def fitted(head: tuple[str, ...] | list[str], rows: list[list[str]], keep: int = 2, label: int = 1,
-           width: int = WIDTH) -> list[str]:  # fmt: skip
+           width: int = WIDTH, together: tuple[tuple[int, ...], ...] = ()) -> list[str]:  # fmt: skip
     """The table as lines of at most `width` characters (where a cell alone is not wider): blocks of columns,
     each starting with the first `keep`, a blank line between them; then the legend of any tagged labels
-    (column `label`)."""
+    (column `label`). The columns of each `together` group (consecutive indices: a figure, its interval and
+    its verdict) go into one block, never split across two."""
     rows = [list(row) for row in rows]
     legend = []
     if any(len(row[label]) > LONGEST_LABEL for row in rows):
@@ -29,13 +30,14 @@ def fitted(head: tuple[str, ...] | list[str], rows: list[list[str]], keep: int =
             legend.append(f"A{i}  {row[label]}")
             row[label] = f"A{i}"
     widths = [max(len(str(row[i])) for row in [list(head), *rows]) for i in range(len(head))]
+    units = [next((list(g) for g in together if column in g), [column]) for column in range(keep, len(head))]
     blocks: list[list[int]] = []
-    for column in range(keep, len(head)):
+    for unit in [u for i, u in enumerate(units) if u not in units[:i]]:
         block = blocks[-1] if blocks else None
-        if block is None or sum(widths[i] + 2 for i in [*range(keep), *block, column]) - 2 > width:
-            blocks.append([column])
+        if block is None or sum(widths[i] + 2 for i in [*range(keep), *block, *unit]) - 2 > width:
+            blocks.append(list(unit))
         else:
-            block.append(column)
+            block.extend(unit)
     lines: list[str] = []
     for block in blocks or [[]]:
         columns = [*range(min(keep, len(head))), *block]

@@ -53,6 +53,21 @@ def test_a_gap_its_interval_and_verdict_stay_in_one_block_of_the_terminal_table(
     assert all(("95% interval" in h) == ("gap to best" in h) == ("vs best" in h) for h in heads)
 
 
+def test_runs_differing_only_in_a_key_they_do_not_read_are_one_training_counted_once(tmp_path):
+    # mix_p under placement=pre changes nothing: rms-a and rms-b are one training at one seed
+    write_run(tmp_path / "rms-a", lr=3e-3, seed=0, final=3.0, extra_config={"mix_p": 0.3})
+    write_run(tmp_path / "rms-b", lr=3e-3, seed=0, final=3.0, extra_config={"mix_p": 0.7})
+    write_run(tmp_path / "rms-c", lr=3e-3, seed=1, final=3.1, extra_config={"mix_p": 0.3})
+    for seed in (0, 1):
+        write_run(tmp_path / f"layer-{seed}", norm="layer", lr=3e-3, seed=seed, final=3.2 + seed / 10,
+                  extra_config={"mix_p": 0.3})
+    comparison = comparison_of(tmp_path)
+    assert [(a.arm.label, len(a.runs)) for a in comparison.arms] == [("layer", 2), ("rms", 2)]
+    assert comparison.gaps[comparison.ranked[1].arm].n == 2  # 2 paired seeds, not 3 runs
+    assert any("rms-b: the same training as rms-a (it does not read mix_p): counted once" in n for n in comparison.notes)
+    assert all("mix_p" not in effect.factor for effect in comparison.effects)
+
+
 def test_a_key_nobody_reads_is_no_factor(tmp_path):
     for norm in ("rms", "layer"):
         for placement in ("pre", "post"):

@@ -120,15 +120,16 @@ def environment_warning(result: ArmResult) -> str | None:
 
 def _once_each(members: list[Run], keys: list[str], notes: list[str]) -> list[Run]:
     """An arm's runs with each training counted once: of runs at the same lr and seed that differ only in
-    norm knobs the arm's norm does not read (arm_of leaves those out), the first is kept and the others
-    noted. Runs of one config at one lr and seed (a sweep run twice) are one already (repeats.py)."""
+    keys their choices make them not read (config.reads_key: a norm knob of another norm, mix_p without
+    placement=mix; arm_of leaves those out), the first is kept and the others noted. Runs of one config at
+    one lr and seed (a sweep run twice) are one already (repeats.py)."""
     first: dict[tuple, Run] = {}
     kept = []
     for run in members:
         twin = first.setdefault((run.lr, run.seed), run)
         unread = [k for k in keys if twin.settings.get(k) != run.settings.get(k)]
         if twin is not run and unread:
-            notes.append(f"{run.path.name}: the same training as {twin.path.name} ({run.norm} does not read "
+            notes.append(f"{run.path.name}: the same training as {twin.path.name} (it does not read "
                          f"{', '.join(unread)}): counted once")
             continue
         kept.append(run)

@@ -1,5 +1,5 @@
 """The `normlab` command: `normlab train ...` (a Hydra app), `normlab resume ...` (the same, continuing a run),
-`normlab compare ...` and `normlab sample ...`.
+`normlab compare ...`, `normlab ls ...` and `normlab sample ...`.
 
 Heavy modules (torch, wandb, datasets) are imported only once a subcommand
 needs them, so `normlab --help` answers at once.
@@ -22,8 +22,11 @@ commands:
             `normlab train --help` lists the config groups and their options
   resume    continue a stopped run in its own dir, with its saved config (= normlab train resume=RUN_DIR)
             `normlab resume RUN_DIR [overrides]`; overrides may change bookkeeping keys only (ckpt.*, wandb.*, ...)
-  compare   compare runs: report.md (runs, LR sensitivity, seeds) and PNG plots, from run files
-            `normlab compare PATH... [--out DIR]`; PATH: a run dir, a sweep dir or outputs/
+  compare   compare runs: report.md (ranked arms, runs, LR sensitivity, seeds), plots and CSV/JSON tables
+            `normlab compare PATH... [--out DIR] [--format png,svg,pdf] [--wandb]`
+            PATH: a run dir, a sweep dir or outputs/
+  ls        list runs: status (running while its lock is held), step of max_steps, val loss, wall, age
+            `normlab ls [DIR...] [--json]`; DIR: a run dir, a sweep dir or outputs/ (the default)
   sample    print text from a trained model
             `normlab sample RUN_DIR_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]`
 
@@ -33,6 +36,7 @@ examples:
   normlab train -m norm=none,layer,rms,batch placement=pre,post
   normlab resume outputs/runs/2026-11-22_14-03-12_rms-pre-d4-lr3e-3-s0_3f9a1c
   normlab compare outputs/sweeps/2026-11-22_14-05-40_a81b2e
+  normlab ls outputs/sweeps/2026-11-22_14-05-40_a81b2e
   normlab sample outputs/runs/2026-11-22_14-05-40_rms-pre-d4-lr3e-3-s0_a81b2e --prompt "def "
 """
 
@@ -62,11 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         from normlab.analysis.compare import main as run_compare
 
         return run_compare(rest)
+    if command == "ls":
+        from normlab.analysis.listing import main as run_ls
+
+        return run_ls(rest)
     if command == "sample":
         from normlab.sample import main as run_sample
 
         return run_sample(rest)
-    return fail(f"unknown command {command!r}: choose one of train, resume, compare, sample")
+    return fail(f"unknown command {command!r}: choose one of train, resume, compare, ls, sample")
 
 
 def _resume(rest: list[str]) -> int:

@@ -88,7 +88,9 @@ def test_report_opens_with_the_ranked_table_and_the_single_lr_arm_has_no_sensiti
     report = (compare([str(mixed)], out=mixed / "report") / "report.md").read_text()
     headings = re.findall(r"^## (.+)$", report, flags=re.M)
     assert headings[0] == "Ranking" and headings.index("Runs") > headings.index("Did not start") > 0
-    assert report.splitlines()[2] == "**Best: rms model.d_model=128 at lr=3e-3, final val loss 2.5000 (1 seed).**"
+    assert report.splitlines()[2] == ("**Best: rms model.d_model=128 at lr=3e-3, final val loss 2.5000 (1 seed). No "
+                                      "interval for its gap to layer model.d_model=128: rms model.d_model=128 and layer "
+                                      "model.d_model=128 ran one seed; add seeds.**")
     first_table = next(line for line in report.splitlines() if line.startswith("|"))
     assert first_table.split("|")[1].strip() == "rank"
     rows = table(report, "Ranking")
@@ -96,24 +98,32 @@ def test_report_opens_with_the_ranked_table_and_the_single_lr_arm_has_no_sensiti
         ("1", "rms model.d_model=128"), ("2", "layer model.d_model=128"), ("3", "rms model.d_model=64"),
         ("4", "layer model.d_model=64")]  # fmt: skip
     rms64 = rows[2]
-    assert (rms64["final val loss"], rms64["seeds"], rms64["best lr"]) == ("2.9500 ± 0.0707", "2", "3e-3")
+    assert (rms64["final val loss"], rms64["seeds"], rms64["best lr"]) == ("2.9500 ± 0.0707", "2", "3e-3 (largest)")
     assert rms64["diverged/failed"] == "0 of 4" and rms64["max grad norm"] == "1.5"
-    assert rms64["max attn logit"] == "—" and rms64["loss spikes"] == "—"  # no telemetry; 8 losses are too few
+    # no telemetry; 8 losses are too few: dashes with a footnote mark
+    assert re.fullmatch("—[¹²³⁴⁵⁶⁷⁸⁹]", rms64["max attn logit"]) and re.fullmatch("—[¹²³⁴⁵⁶⁷⁸⁹]", rms64["loss spikes"])
     assert rows[0]["LR sensitivity"] != "—" and re.fullmatch(r"\d\.\d{4}", rows[0]["LR sensitivity"])
     single = rows[3]
-    assert single["LR sensitivity"] == "—¹" and single["best lr"] == "3e-3"
-    assert "¹ LR sensitivity: it needs at least two learning rates; the arm ran one (lr=3e-3)." in report
+    assert re.fullmatch("—[¹²³⁴⁵⁶⁷⁸⁹]", single["LR sensitivity"]) and single["best lr"] == "3e-3 (only)"
+    mark = single["LR sensitivity"][-1]
+    assert f"{mark} LR sensitivity: it needs at least two learning rates; the arm ran one (lr=3e-3)." in report
     assert "0.0000" not in single["LR sensitivity"]
 
 
 def test_the_terminal_shows_the_ranked_table_the_warnings_and_the_path(mixed, capsys):
     assert cli.main(["compare", str(mixed), "--out", str(mixed / "r")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "9 runs in 4 arms. Best: rms model.d_model=128 at lr=3e-3, final val loss 2.5000 (1 seed)."
+    assert lines[0].startswith("9 runs in 4 arms. Best: rms model.d_model=128 at lr=3e-3, final val loss 2.5000 (1 seed). "
+                               "No interval for its gap to layer model.d_model=128:")
     assert lines[2].startswith("rank  arm ")
     assert [line.split("  ")[0] for line in lines[3:7]] == ["1", "2", "3", "4"]
-    assert re.match(r"4\s+layer model\.d_model=64\s+3\.2000\s+1\s+3e-3\s+—¹\s", lines[6]), lines[6]
-    assert lines[7].startswith("¹ LR sensitivity: it needs at least two learning rates")
+    assert re.fullmatch(r"4\s+layer model\.d_model=64\s+3\.2000\s+1\s+3e-3 \(only\)\s+\+0\.7000\s+1 seed: no interval\s+—",
+                        lines[6]), lines[6]  # the first block ends with vs best; the second repeats rank and arm
+    fourth = [line for line in lines if line.startswith("4  ")]
+    assert len(fourth) == 2 and max(len(line) for line in lines[2:lines.index(fourth[1]) + 1]) <= 120
+    found = re.match(r"4\s+layer model\.d_model=64\s+—([¹²³⁴⁵⁶⁷⁸⁹])\s", fourth[1])
+    assert found, fourth[1]
+    assert any(line.startswith(f"{found[1]} LR sensitivity: it needs at least two learning rates") for line in lines)
     warned = [line for line in lines if line.startswith("warning: ")]
     assert warned == ["warning: rms model.d_model=64: its runs ran in different environments (torch_threads 1 vs 2): "
                       "their numbers may differ for that alone"]

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 
 from normlab.analysis.runs import Run
 from normlab.analysis.stability import ArmStability, arm_stability
-from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, bookkeeping_keys, format_lr
+from normlab.config import NORMS, PLACEMENTS, bookkeeping_keys, format_lr, reads_key
 from normlab.keys import to_float
 
 # Config keys that may differ inside one arm: lr is the sweep's axis, seed makes replicates, and the
@@ -39,6 +39,15 @@ def value_key(value: Any) -> tuple:
 
 
 NORM, PLACEMENT = "norm", "placement"  # the two dimensions of every arm; any other is a config key
+
+
+def dim_order(dim: str, value: Any) -> tuple:
+    """Sort a dimension's values: norms and placements in normlab's order, config values numbers first."""
+    if dim == NORM:
+        return order_key(value, NORMS)
+    if dim == PLACEMENT:
+        return order_key(value, PLACEMENTS)
+    return value_key(value)
 
 
 @dataclass(frozen=True)
@@ -90,16 +99,10 @@ def arm_keys(runs: list[Run]) -> list[str]:
 
 
 def arm_of(run: Run, keys: list[str]) -> Arm:
-    """`run`'s arm: its norm, placement and values of the arm `keys`, less the norm knobs its norm does not
-    read (a LayerNorm run of a sweep over DyT's α is one LayerNorm arm, not one arm per unused α)."""
-    return Arm(run.norm, run.placement, tuple((k, run.settings.get(k)) for k in keys if _reads(run.norm, k)))
-
-
-def _reads(norm: str, key: str) -> bool:
-    """Whether a run of `norm` reads config key `key`: every key but a `norm.KNOB` of a known norm without
-    that knob (norm.name, the norm itself, is read by every run)."""
-    knob = key.removeprefix("norm.")
-    return knob in (key, "name") or norm not in NORM_TRAITS or knob in NORM_TRAITS[norm].knobs
+    """`run`'s arm: its norm, placement and values of the arm `keys`, less the keys its choices make it not
+    read (config.reads_key: a LayerNorm run of a sweep over DyT's α is one LayerNorm arm, not one arm per
+    unused α; a pre-norm run of a sweep over mix_p is one arm)."""
+    return Arm(run.norm, run.placement, tuple((k, run.settings.get(k)) for k in keys if reads_key(run.settings, k)))
 
 
 def varying_dims(arms: list[Arm]) -> list[str]:
@@ -108,17 +111,18 @@ def varying_dims(arms: list[Arm]) -> list[str]:
     return [dim for dim in (NORM, PLACEMENT, *extras) if len({repr(arm.value(dim)) for arm in arms}) > 1]
 
 
-def labelled(arm: Arm, dims: list[str]) -> Arm:
+def labelled(arm: Arm, dims: list[str], named: Iterable[str] = ()) -> Arm:
     """`arm` labelled by its values of `dims` alone: 'rms-pre' when both norm and placement vary, 'rms' or 'pre'
-    when one does, then `key=value` of each other key (a knob its norm does not read is left out)."""
+    when one does, then the `named` words (a preset: 'model=tiny'), then `key=value` of each other key (a knob
+    its norm does not read is left out)."""
     head = "-".join(str(arm.value(d)) for d in (NORM, PLACEMENT) if d in dims)
-    tail = [f"{d}={arm.value(d)}" for d in dims if d not in (NORM, PLACEMENT) and arm.value(d) is not None]
+    tail = [*named, *(f"{d}={arm.value(d)}" for d in dims if d not in (NORM, PLACEMENT) and arm.value(d) is not None)]
     return replace(arm, label=" ".join(filter(None, [head, *tail])) or arm.full_label)
 
 
 def common_settings(runs: list[Run]) -> list[tuple[str, Any]]:
     """The config keys every run (that records the key) shares, as (key, value): norm and placement first, then
-    the config's order; unset values, bookkeeping keys and norm knobs none of the runs' norms read left out."""
+    the config's order; unset values, bookkeeping keys and keys no run reads (config.reads_key) left out."""
     keys = list(dict.fromkeys(k for run in runs for k in run.settings))
     shared = []
     for key in keys:
@@ -127,7 +131,7 @@ def common_settings(runs: list[Run]) -> list[tuple[str, Any]]:
         if len(values) > 1 or value in (None, (), []):
             continue
         bookkeeping = any(key == p or key.startswith(p + ".") for p in NOT_ARM_KEYS if p not in ("lr", "seed"))
-        if not bookkeeping and any(_reads(run.norm, key) for run in runs):
+        if not bookkeeping and any(reads_key(run.settings, key) for run in runs):
             shared.append(("norm" if key == "norm.name" else key, value))
     first = [item for item in shared if item[0] in (NORM, PLACEMENT)]
     return first + [item for item in shared if item[0] not in (NORM, PLACEMENT)]

@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 
 from normlab.analysis.comparison import Comparison, build_comparison
+from normlab.analysis.exports import FIGURE_FORMATS
 from normlab.analysis.ranking import terminal_summary
 from normlab.analysis.runs import CONFIG, METRICS, SUMMARY, CompareError, find_run_dirs
+from normlab.analysis.workspace import EXTRA, SPEC, check_installed, save_workspaces
 from normlab.util.errors import fail
 
 
@@ -29,17 +31,30 @@ def default_report_dir(paths: list[str], run_dirs: list[Path]) -> Path:
     return Path("outputs") / "reports" / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(3)}"
 
 
-def compare(paths: list[str], out: str | os.PathLike | None = None) -> Path:
-    """Find the runs under `paths`, write report.md and the PNG plots into the report dir, and return its path."""
-    return write_comparison(paths, out)[1]
+def compare(paths: list[str], out: str | os.PathLike | None = None, formats: tuple[str, ...] = ("png",)) -> Path:
+    """Find the runs under `paths`, write report.md, the tables as CSV and JSON (exports.py) and the plots (in
+    each of `formats`) into the report dir, and return its path."""
+    return write_comparison(paths, out, formats)[1]
 
 
-def write_comparison(paths: list[str], out: str | os.PathLike | None = None) -> tuple[Comparison, Path]:
+def parse_formats(text: str) -> tuple[str, ...]:
+    """'png,svg' as ('png', 'svg'); CompareError naming the allowed formats for anything else."""
+    formats = tuple(dict.fromkeys(f.strip().lower() for f in text.split(",")))
+    bad = [f for f in formats if f not in FIGURE_FORMATS]
+    if bad or not formats:
+        raise CompareError(f"--format {text}: {', '.join(map(repr, bad)) or 'no format'} is not a figure format: "
+                           f"choose from {', '.join(FIGURE_FORMATS)}, comma-separated (e.g. --format png,pdf)")
+    return formats
+
+
+def write_comparison(paths: list[str], out: str | os.PathLike | None = None,
+                     formats: tuple[str, ...] = ("png",)) -> tuple[Comparison, Path]:  # fmt: skip
     """compare(), returning the comparison too."""
     run_dirs = find_run_dirs(paths)
     if not run_dirs:
         raise CompareError(f"no runs under {', '.join(map(str, paths))}: a run dir holds {SUMMARY}, {METRICS} or {CONFIG}")
     # matplotlib only once there are runs to draw: `normlab compare --help` and bad input stay fast
+    from normlab.analysis.exports import write_exports
     from normlab.analysis.plots import write_plots
     from normlab.analysis.report import write_report
 
@@ -49,7 +64,8 @@ def write_comparison(paths: list[str], out: str | os.PathLike | None = None) -> 
         if report_dir.exists() and not report_dir.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a directory")
         report_dir.mkdir(parents=True, exist_ok=True)
-        plots = write_plots(comparison, report_dir)
+        plots = write_plots(comparison, report_dir, formats)
+        write_exports(comparison, report_dir)
         write_report(comparison, report_dir, plots, sources=paths)
     except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
@@ -73,11 +89,20 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="a run dir, a sweep dir, or the outputs/ root")
     parser.add_argument("--out", metavar="DIR", help="report dir (default: <sweep dir>/report, else outputs/reports/<time>)")
+    parser.add_argument("--wandb", action="store_true",
+                        help="also save the comparison as a wandb workspace for the runs' project and group "
+                        f"(needs wandb-workspaces: {EXTRA}); offline, its spec goes to <report dir>/{SPEC}")
+    parser.add_argument("--format", default="png", metavar="FMT[,FMT]",
+                        help=f"figure formats, comma-separated: {', '.join(FIGURE_FORMATS)} (default: png)")
     args = parser.parse_args(argv)
     try:
-        comparison, report_dir = write_comparison(args.paths, args.out)
+        if args.wandb:
+            check_installed()
+        comparison, report_dir = write_comparison(args.paths, args.out, parse_formats(args.format))
     except CompareError as err:
         return fail(err)
     print("\n".join(terminal_summary(comparison)))
     print(f"\nreport: {report_dir / 'report.md'}")
+    if args.wandb:
+        print(save_workspaces(comparison, report_dir, f"normlab compare: {report_dir.parent.name or report_dir.name}"))
     return 0

@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from normlab.analysis.arms import Arm, ArmResult, arm_keys, arm_of, common_settings, labelled, summarize_arm, varying_dims
+from normlab.analysis.bracketing import bracket_notes
+from normlab.analysis.factors import FactorEffect, factor_effects
+from normlab.analysis.gaps import gaps_to_best, seed_count_note
+from normlab.analysis.intervals import Interval
+from normlab.analysis.presets import named_presets
 from normlab.analysis.records import METRICS
+from normlab.analysis.repeats import drop_repeats
 from normlab.analysis.runs import CompareError, Run, load_run
 
 EPS_RATIO_PREFIX = "norm/eps_ratio/"  # telemetry's input RMS / sqrt(eps) per norm slot (normlab.train.probe_norms)
@@ -31,10 +37,13 @@ class Comparison:
     not_started: list[Run] = field(default_factory=list)  # failed before their first step: in no arm
     environment_warnings: list[str] = field(default_factory=list)  # one line per arm whose runs' environments differ
     eps_warnings: list[str] = field(default_factory=list)  # one line per arm with an eps-dominated norm (eps_warning)
+    gaps: dict[Arm, Interval] = field(default_factory=dict)  # each ranked arm's loss minus the best arm's (gaps.py)
+    effects: list[FactorEffect] = field(default_factory=list)  # each varying key's effect (factors.py)
+    caveats: list[str] = field(default_factory=list)  # what limits the verdict: repeats, seed counts, unbracketed lrs
+    skipped: list[str] = field(default_factory=list)  # a line per run dir that could not be read (in notes too)
 
     def run_label(self, run: Run) -> str:
-        rel = os.path.relpath(run.path, self.root)
-        return run.path.name if rel == "." else rel
+        return _relative(run, self.root)
 
     @property
     def ranked(self) -> list[ArmResult]:
@@ -57,7 +66,9 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
             notes.append(f"skipped {err}")
     if not loaded:
         raise CompareError(f"no readable runs: {notes[0].removeprefix('skipped ')}" if notes else "no runs")
-    runs = [run for run in loaded if not run.did_not_start]
+    skipped = list(notes)
+    root = Path(os.path.commonpath([run.path for run in loaded]))
+    runs, repeats = drop_repeats([run for run in loaded if not run.did_not_start], lambda run: _relative(run, root))
     measure = comparison_measure(runs)
     for run in runs:
         run.measure = measure
@@ -66,17 +77,27 @@ def build_comparison(run_dirs: list[Path]) -> Comparison:
     for run in runs:
         grouped.setdefault(arm_of(run, keys), []).append(run)
     dims = varying_dims(list(grouped))
-    grouped = {labelled(arm, dims): _once_each(members, keys, notes) for arm, members in grouped.items()}
+    covered, presets = named_presets({arm: members[0].settings for arm, members in grouped.items()}, dims)
+    label_dims = [d for d in dims if d not in covered]  # a preset's name says them
+    grouped = {labelled(arm, label_dims, presets[arm]): _once_each(members, keys, notes) for arm, members in grouped.items()}
     arms = [summarize_arm(arm, grouped[arm]) for arm in sorted(grouped, key=Arm.sort_key)]
     ordered = [run for result in arms for run in result.runs]
     notes += _run_notes(ordered)
+    ranked = sorted(arms, key=ArmResult.rank_key)
+    caveats = [c for c in (repeats, seed_count_note(ranked), *bracket_notes(ranked)) if c]
     return Comparison(
         runs=ordered, arms=arms, arm_of={run.path: result.arm for result in arms for run in result.runs},
-        root=Path(os.path.commonpath([run.path for run in loaded])), notes=notes, measure=measure, dims=dims,
+        root=root, notes=notes, measure=measure, dims=dims,
         common=common_settings(runs), not_started=[run for run in loaded if run.did_not_start],
-        environment_warnings=[w for result in arms if (w := environment_warning(result))],
+        environment_warnings=[w for result in arms if (w := environment_warning(result))], skipped=skipped,
         eps_warnings=[w for result in arms if (w := eps_warning(result))],
+        gaps=gaps_to_best(ranked), effects=factor_effects(arms, dims), caveats=caveats,
     )  # fmt: skip
+
+
+def _relative(run: Run, root: Path) -> str:
+    rel = os.path.relpath(run.path, root)
+    return run.path.name if rel == "." else rel
 
 
 def _run_notes(runs: list[Run]) -> list[str]:
@@ -124,15 +145,16 @@ def eps_warning(result: ArmResult) -> str | None:
 
 def _once_each(members: list[Run], keys: list[str], notes: list[str]) -> list[Run]:
     """An arm's runs with each training counted once: of runs at the same lr and seed that differ only in
-    norm knobs the arm's norm does not read (arm_of leaves those out), the first is kept and the others
-    noted. Runs of one config at one lr and seed (a sweep run twice) are kept, as before."""
+    keys their choices make them not read (config.reads_key: a norm knob of another norm, mix_p without
+    placement=mix; arm_of leaves those out), the first is kept and the others noted. Runs of one config at
+    one lr and seed (a sweep run twice) are one already (repeats.py)."""
     first: dict[tuple, Run] = {}
     kept = []
     for run in members:
         twin = first.setdefault((run.lr, run.seed), run)
         unread = [k for k in keys if twin.settings.get(k) != run.settings.get(k)]
         if twin is not run and unread:
-            notes.append(f"{run.path.name}: the same training as {twin.path.name} ({run.norm} does not read "
+            notes.append(f"{run.path.name}: the same training as {twin.path.name} (it does not read "
                          f"{', '.join(unread)}): counted once")
             continue
         kept.append(run)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +21,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from normlab.analysis.arms import NORM, PLACEMENT, Arm, order_key, value_key
-from normlab.config import NORMS, PLACEMENTS
+from normlab.analysis.arms import Arm, dim_order
 
+FORMATS: ContextVar[tuple[str, ...]] = ContextVar("FORMATS", default=("png",))  # what Grid.save writes (plots.write_plots sets it)
 STYLES = ("-", "--", ":", "-.")
 DPI = 100
 FONT = 9
-
-
-def dim_order(dim: str, value: Any) -> tuple:
-    """Sort a dimension's values: norms and placements in normlab's order, config values numbers first."""
-    if dim == NORM:
-        return order_key(value, NORMS)
-    if dim == PLACEMENT:
-        return order_key(value, PLACEMENTS)
-    return value_key(value)
 
 
 def dim_text(dim: str, value: Any) -> str:
@@ -109,7 +101,9 @@ class Grid:
         if self.legend:
             self.fig.legend(handles=self.legend, loc="lower center", bbox_to_anchor=(0.5, 0.08 / self.height), ncol=self.legend_cols,
                             fontsize=FONT, frameon=False, handlelength=2.6)
-        self.fig.savefig(path, dpi=DPI, pil_kwargs={"compress_level": 1})  # PNG compression took ~20% of the drawing time
+        for fmt in FORMATS.get():  # the figure once in each format asked for, beside each other: loss_val.png, .svg, ...
+            extra = {"pil_kwargs": {"compress_level": 1}} if fmt == "png" else {}  # PNG compression took ~20% of the drawing time
+            self.fig.savefig(Path(path).with_suffix(f".{fmt}"), dpi=DPI, format=fmt, **extra)
 
 
 def log_if_wide(ax, values: list[float], axis: str = "y") -> None:

@@ -19,14 +19,17 @@ from matplotlib.ticker import MaxNLocator, NullFormatter
 from normlab import keys
 from normlab.analysis.arms import ArmResult, mean_std
 from normlab.analysis.comparison import Comparison
-from normlab.analysis.figures import FONT, Grid, Layout, columns, log_if_wide
+from normlab.analysis.exports import FIGURE_FORMATS
+from normlab.analysis.figures import FONT, FORMATS, Grid, Layout, columns, log_if_wide
 from normlab.analysis.runs import Run
+from normlab.analysis.scale_plot import draw_scale
 from normlab.analysis.stability_plot import draw_stability
 from normlab.config import format_lr
 
 LOSS_CURVES = (("loss", "loss_train.png", "training loss"), ("val_loss", "loss_val.png", "validation loss"))
 LOSS_VS_LR = "final_val_loss_vs_lr.png"
 STABILITY = "stability.png"
+SCALE = "scale.png"
 # The file of each per-layer statistic that keys.LAYER_PROFILES names; one added there without a file
 # here is drawn into layers_<stat with '/' as '_'>.png.
 LAYER_PROFILE_FILES = {keys.GRAD_NORM: "layers_grad_norm.png", keys.RESID_RMS: "layers_resid_rms.png"}
@@ -44,8 +47,24 @@ class Plot:
     skipped: str | None = None
 
 
-def write_plots(comparison: Comparison, out: Path) -> list[Plot]:
-    """Draw every plot of the report into `out`; a plot with nothing to show is skipped, with the reason."""
+def write_plots(comparison: Comparison, out: Path, formats: tuple[str, ...] = ("png",)) -> list[Plot]:
+    """Draw every plot of the report into `out`, once in each of `formats` (figures.FIGURE_FORMATS); a plot with
+    nothing to show is skipped, with the reason. Each Plot's file is in the first format."""
+    token = FORMATS.set(tuple(formats))
+    try:
+        plots = _draw_all(comparison, out)
+    finally:
+        FORMATS.reset(token)
+    for plot in plots:
+        stem = Path(plot.file).stem
+        for fmt in FIGURE_FORMATS:
+            if plot.skipped or fmt not in formats:  # a stale file from an earlier report would contradict report.md
+                (out / f"{stem}.{fmt}").unlink(missing_ok=True)
+        plot.file = f"{stem}.{formats[0]}"
+    return plots
+
+
+def _draw_all(comparison: Comparison, out: Path) -> list[Plot]:
     layout = Layout([result.arm for result in comparison.arms], comparison.dims)
     plots = []
     for key, file, label in LOSS_CURVES:
@@ -54,12 +73,14 @@ def write_plots(comparison: Comparison, out: Path) -> list[Plot]:
         plots.append(_loss_curves(comparison, layout, key, label, out / file))
     plots.append(_loss_vs_lr(comparison, layout, out / LOSS_VS_LR))
     plots.append(draw_stability(comparison, layout, out / STABILITY, Plot(STABILITY, "stability of each arm")))
+    scale = draw_scale(comparison, out / SCALE, Plot(SCALE, "final validation loss against scale"))
+    if scale.skipped:  # only a sweep over depth, width or size has a scale axis: no 'Not drawn' line for the others
+        (out / SCALE).unlink(missing_ok=True)
+    else:
+        plots.append(scale)
     for stat, label, _ in keys.LAYER_PROFILES:
         file = LAYER_PROFILE_FILES.get(stat, f"layers_{stat.replace('/', '_')}.png")
         plots.append(_layer_profiles(comparison, layout, stat, label, out / file))
-    for plot in plots:
-        if plot.skipped:  # a stale file from an earlier report would contradict report.md
-            (out / plot.file).unlink(missing_ok=True)
     return plots
 
 
@@ -89,7 +110,8 @@ def seed_band(curves: list[tuple[list[int], list[float]]]) -> tuple[np.ndarray, 
 
 def draw_seeds(ax, runs: list[Run], key: str, line: dict) -> tuple[list[float], list[float]]:
     """The runs' mean curve of `key` with a min–max band (a plain line for one run), × where a run diverged;
-    returns the values drawn from the FOCUS mark on, and all of them."""
+    returns the values drawn from the FOCUS mark on (all of them when fewer than two steps lie past it), and all
+    of them."""
     curves = [run.curve(key) for run in runs]
     drawn = [(run, curve) for run, curve in zip(runs, curves) if curve[0]]
     if not drawn:
@@ -102,6 +124,8 @@ def draw_seeds(ax, runs: list[Run], key: str, line: dict) -> tuple[list[float], 
         if run.status == "diverged":
             ax.plot(run_steps[-1], values[-1], color=line["color"], **DIVERGED_MARKER)
     late = steps >= FOCUS * max(run.settings.get("max_steps") or steps[-1] for run, _ in drawn)
+    if late.sum() < 2:  # a curve of few points (two evaluations): cut to one, its line would be a sliver at the edge
+        late[:] = True
     return [*high[late], *low[late]], [*high, *low]
 
 
@@ -219,8 +243,8 @@ def _layer_profiles(comparison: Comparison, layout: Layout, stat: str, label: st
         panels += [(panel, lr, results) for lr in lrs]
     per_group = max(sum(1 for p in panels if p[0] == panel) for panel, _, _ in panels)
     grid = Grid(len(panels), columns(per_group), layout.handles(), panel=(3.6, 2.8))
+    values: list[float] = []  # of every panel: one y scale for all, log or linear, so the panels compare
     for ax, (panel, lr, results) in zip(grid.axes, panels):
-        values: list[float] = []
         for result in results:
             runs = [run for p in result.points if lr is None or p.lr == lr for run in p.runs]
             profile = mean_profile(runs, stat, "first" if lr is None else "last")
@@ -229,10 +253,11 @@ def _layer_profiles(comparison: Comparison, layout: Layout, stat: str, label: st
                 ax.plot(layers, [profile[i] for i in layers], marker="o", markersize=3, linewidth=1.3,
                         **layout.line(result.arm))
                 values += profile.values()
-        log_if_wide(ax, values)
         when = "at initialization (every lr)" if lr is None else f"{lr_text(lr)}, at the end"
         _decorate(ax, layout.panel_title(panel, when), "layer", label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in grid.axes:
+        log_if_wide(ax, values)
     grid.save(path)
     return plot
 

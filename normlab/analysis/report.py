@@ -14,6 +14,7 @@ from typing import Any
 
 from normlab.analysis.arms import mean_std
 from normlab.analysis.comparison import Comparison
+from normlab.analysis.effects_section import effects_section
 from normlab.analysis.figures import Layout
 from normlab.analysis.plots import FOCUS, Plot
 from normlab.analysis.ranking import answer, common_line, definitions, markdown_table, ranking
@@ -188,8 +189,15 @@ def answer_section(comparison: Comparison) -> list[str]:
     rows, footnotes = ranking(comparison)
     lines = ["## Ranking", ""]
     lines += [*markdown_table(ranking_header(comparison), rows), ""] if rows else []
-    lines += [*footnotes, "" if footnotes else None, definitions(comparison), "", common_line(comparison, code=True)]
+    lines += [*footnotes, "" if footnotes else None]
+    if comparison.caveats:
+        lines += ["What limits this verdict:", "", *(f"- {_cell(caveat)}" for caveat in comparison.caveats), ""]
+    lines += [definitions(comparison), "", common_line(comparison, code=True)]
     return [line for line in lines if line is not None]
+
+
+def _then_blank(lines: list[str]) -> list[str]:
+    return [*lines, ""] if lines else []
 
 
 def warnings_section(comparison: Comparison) -> list[str]:
@@ -229,6 +237,7 @@ def write_report(comparison: Comparison, out: Path, plots: list[Plot], sources: 
         "",
         *answer_section(comparison),
         "",
+        *_then_blank(effects_section(comparison)),
         *warnings_section(comparison),
         *not_started_section(comparison),
         *runs_section(comparison),

@@ -277,6 +277,17 @@ def _check_summary_types(path: Path, summary: dict[str, Any]) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             allowed = " or ".join("a number" if t is float else {int: "an integer", str: "a string"}[t] for t in types)
             raise CompareError(f"{path}: {key}={json.dumps(value)[:60]} has the wrong type: it must be {allowed}")
+        if float in types and isinstance(value, str) and not _number_text(value):
+            raise CompareError(f"{path}: {key}={json.dumps(value)[:60]} is not a number: a number, or \"inf\", \"-inf\" or \"nan\" as text")
+
+
+def _number_text(text: str) -> bool:
+    """A number written as text, as metrics are ("inf", "nan", "1e-3")."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _read_config(run_dir: Path) -> dict[str, Any]:

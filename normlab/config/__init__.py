@@ -8,11 +8,13 @@ torch. The modules, one concept each:
 - schema: the dataclasses (NormConfig ... RunConfig), the `bookkeeping` mark and the schema's dotted keys;
 - validate: the values each key may take and every check of `RunConfig.validate`;
 - parse: building the dataclasses from a mapping, and the text forms of keys and values;
+- reads: which keys a run reads, given its choices (mix_p only under placement=mix, ...);
 - packing: which runs of a sweep train together as one packed model.
 """
 
 from normlab.config.errors import ConfigError
 from normlab.config.parse import flatten_config, format_lr, nest_config
+from normlab.config.reads import READ_ONLY_UNDER, reads_key
 from normlab.config.registry import (
     ALPHA_PARAMS,
     GAIN_PARAMS,
@@ -61,6 +63,7 @@ __all__ = [
     "OptimConfig",
     "PLACEMENTS",
     "PLACEMENT_TRAITS",
+    "READ_ONLY_UNDER",
     "PlacementTraits",
     "RunConfig",
     "SHIFT_PARAMS",
@@ -75,6 +78,7 @@ __all__ = [
     "format_lr",
     "nest_config",
     "norm_traits",
+    "reads_key",
     "schema_keys",
     "suggest_key",
     "unknown_key_message",

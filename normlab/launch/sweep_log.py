@@ -45,20 +45,21 @@ def _job_num(run_dir: Path) -> str:
     return head if head.isdigit() else "?"
 
 
-def job_line(run_dir: Path, fallback_status: str = "failed", seconds: float | None = None) -> str:
-    """One line for a job that ended: number, run name, status, final validation loss, wall time, run dir.
+def job_line(run_dir: Path, fallback_status: str = "failed") -> str:
+    """One line for a job that ended: number, run name, status, final validation loss, the run's whole wall
+    time (summary.json's wall_time_s: data, tokenizer and model set-up, the training loop and the records at
+    the end; the run's own last line counts the training loop alone), run dir.
 
-    `fallback_status` is the status when the job wrote no summary.json; `seconds` the job's own
-    wall time when the caller measured it (else summary.json's wall_time_s)."""
+    `fallback_status` is the status when the job wrote no summary.json."""
     run_dir = Path(run_dir)
     summary = read_summary(run_dir)
     name = (summary or {}).get("name") or run_dir.name
     loss = _loss(summary)
-    wall = seconds if seconds is not None else (summary or {}).get("wall_time_s")
-    wall_text = f"{wall:.1f} s" if isinstance(wall, (int, float)) else "-"
+    wall = (summary or {}).get("wall_time_s")
+    wall_text = f"{wall:.1f} s" if isinstance(wall, (int, float)) and not isinstance(wall, bool) else "-"
     loss_text = f"{loss:.4f}" if math.isfinite(loss) else "-"
     return (f"job {_job_num(run_dir)} {name}: {_status(summary, fallback_status)}, "
-            f"final val loss {loss_text}, {wall_text}, {_shown(run_dir)}")
+            f"final val loss {loss_text}, run wall time {wall_text} (set-up included), {_shown(run_dir)}")
 
 
 def _shown(path: Path) -> str:
@@ -79,7 +80,8 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
 
 def sweep_table(sweep_dir: Path) -> str:
     """Every job of the sweep, best final validation loss first (diverged, failed and unfinished jobs last,
-    their status in capitals), then the sweep dir and the `normlab compare` command to run next."""
+    their status in capitals; "run wall s" is summary.json's wall_time_s, as in job_line), then the sweep dir
+    and the `normlab compare` command to run next."""
     rows = []
     for d in job_dirs(sweep_dir):
         summary = read_summary(d)
@@ -91,7 +93,7 @@ def sweep_table(sweep_dir: Path) -> str:
                      f"{loss:.4f}" if math.isfinite(loss) else "-",
                      f"{wall:.1f}" if isinstance(wall, (int, float)) else "-", d.name))
     rows.sort(key=lambda r: (r[0], r[1], int(r[2]) if r[2].isdigit() else math.inf))
-    header = ("job", "run", "status", "final val loss", "wall s", "dir")
+    header = ("job", "run", "status", "final val loss", "run wall s", "dir")
     cells = [header, *(r[2:] for r in rows)]
     widths = [max(len(str(c[i])) for c in cells) for i in range(len(header))]
     lines = ["  ".join(str(c[i]).ljust(widths[i]) for i in range(len(header))).rstrip() for c in cells]

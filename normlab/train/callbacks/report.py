@@ -16,7 +16,8 @@ log = logging.getLogger("normlab")  # Hydra's job logging writes it to the termi
 class RunReport(Callback):
     """Says what the run does, on the `normlab` logger: at the start one line with the run's name, device,
     precision, parameter count and run dir; at the end one with its status, final and best validation loss
-    (nats per token and bits per byte), throughput and wall time."""
+    (nats per token and bits per byte), throughput and the training loop's wall time (first step to last,
+    evaluations included; summary.json's wall_time_s adds the data, tokenizer and model set-up)."""
 
     name = "run_report"
 
@@ -34,6 +35,6 @@ class RunReport(Callback):
 
     def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
         log.info("%s %s: final val loss %.4f (%.4f bits/byte), best %.4f (%.4f bits/byte), %.0f tokens/s, "
-                 "wall time %.1f s", self.desc, summary["status"], summary["final_val_loss"],
+                 "training loop %.1f s (set-up not included)", self.desc, summary["status"], summary["final_val_loss"],
                  summary["final_val_bpb"], summary["best_val_loss"], summary["best_val_bpb"],
                  summary.get("tokens_per_s", math.nan), time.monotonic() - self._started)

@@ -219,3 +219,19 @@ def test_hydras_own_keys_and_groups_and_presets_are_not_refused():
     check_command_line(line, [], True, CONFIG_MODULE)
     [cfg] = check_composition(line, [], CONFIG_MODULE)
     assert cfg.norm.eps == 1e-6 and list(cfg.hydra.sweeper.params) == ["norm", "placement"]
+
+
+def test_dotted_keys_build_the_config_they_name_with_or_without_validation():
+    # a checkpoint's config is flattened: its dotted keys once fell silently back to the 128-wide default model
+    flat = {"model.d_model": 64, "model.n_head": 2, "norm.name": "rms", "optim.betas": [0.9, 0.99], "depth": 3}
+    for validate in (True, False):
+        cfg = RunConfig.from_dict(flat, validate=validate)
+        assert (cfg.model.d_model, cfg.model.n_head, cfg.norm.name, cfg.optim.betas, cfg.depth) == (64, 2, "rms", [0.9, 0.99], 3)
+    mixed = RunConfig.from_dict({"model": {"n_head": 2}, "model.d_model": 64})
+    assert (mixed.model.d_model, mixed.model.n_head) == (64, 2)
+    with pytest.raises(ConfigError, match=r"^model\.d_model is given twice, as 32 \(nested\) and 64 \(dotted\)"):
+        RunConfig.from_dict({"model": {"d_model": 32}, "model.d_model": 64}, validate=False)
+    with pytest.raises(ConfigError, match=r"^norm\.eps=1e-06: norm is rms, not a mapping"):
+        RunConfig.from_dict({"norm": "rms", "norm.eps": 1e-6}, validate=False)
+    with pytest.raises(ConfigError, match="model.dmodel is not a config key; did you mean model.d_model"):
+        RunConfig.from_dict({"model.dmodel": 64})

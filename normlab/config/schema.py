@@ -185,6 +185,8 @@ class RunConfig:
     def from_dict(cls, raw: Mapping[str, Any], validate: bool = True) -> RunConfig:
         """Build (and unless told not to, validate) a RunConfig from a resolved mapping.
 
+        `raw` is nested ({'model': {'d_model': 64}}), dotted ({'model.d_model': 64}, as a checkpoint's
+        flattened config holds it) or both; a key given both ways with two values raises ConfigError.
         Keys unknown to the schema raise ConfigError when validating (a typo would otherwise change
         nothing, silently), with the nearest known key as a suggestion; without validation they are kept
         out, so an old config.json still loads. Values of the wrong type raise ConfigError either way.

@@ -76,10 +76,12 @@ def trained(cwd) -> list:
         (["+model.zzz=1"], ["the keys under model are: d_model, n_head"]),
         (["+lr=1e-3"], ["lr is already in the config", "write lr=1e-3 (without +)"]),
         # a key the chosen group option does not have
-        (["data.files=[a.txt]"], ["data=stdlib has no key files", "data=text"]),
+        (["data.files=[a.txt]"], ["data.files is set, but data=stdlib does not read it", "add data=text"]),
         (["+data.files=[a.txt]"], ["data.files is set, but data=stdlib does not read it", "add data=text"]),
-        (["norm=rms", "norm.momentum=0.5"], ["norm=rms has no knob 'momentum'", "norm=batch"]),
-        (["tokenizer.name=gpt2"], ["tokenizer=byte has no key name", "tokenizer=hf"]),
+        (["norm=rms", "norm.momentum=0.5"], ["norm=rms has no knob 'momentum'", "(norm=batch read it)"]),
+        (["tokenizer.name=gpt2"], ["tokenizer.name is set, but tokenizer=byte does not read it", "add tokenizer=hf"]),
+        (["tokenizer.vocab_size=1000"], ["tokenizer.vocab_size is set, but tokenizer=byte does not read it", "tokenizer=bpe"]),
+        (["data.split=test"], ["data.split is set, but data=stdlib does not read it", "add data=hf"]),
         # the command line's shape
         (["lr=1e-3,3e-3"], ["lr=1e-3,3e-3 is a sweep", "add -m"]),
         (["norm=rms,layer"], ["is a sweep", "add -m"]),

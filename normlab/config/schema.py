@@ -1,6 +1,8 @@
 """The run schema: typed configuration for one normlab run, and its dotted keys.
 
-Hydra composes plain YAML (conf/); `RunConfig.from_dict` turns the resolved mapping into these
+These dataclasses are the one place a default is written: `normlab train` composes them (registered
+with Hydra as the schema `base`, normlab.launch.resolvers) under the choices of conf/ (presets, norms,
+data), and `RunConfig()` is the same config. `RunConfig.from_dict` turns the resolved mapping into these
 dataclasses (normlab.config.parse) and checks every value (normlab.config.validate) before anything
 heavy starts. A bad value raises `ConfigError` with one line naming the key and what is allowed.
 Nothing here imports torch, so validation is instant.
@@ -60,7 +62,7 @@ class ModelConfig:
     context: int = 128  # number of learned positions: the longest sequence the model takes
     mlp_ratio: int = 4
     bias: bool = True  # biases of the linear layers
-    vocab_size: int | None = 256  # null: the tokenizer's vocabulary (the presets' choice); else at least it
+    vocab_size: int | None = None  # null: the tokenizer's vocabulary (256 for tokenizer=byte); else at least it
     embed_scale: bool = False  # multiply the token embedding by sqrt(d_model) (Vaswani et al. 2017; xiong2020 preset)
 
 
@@ -146,14 +148,14 @@ class RunConfig:
     attn_softcap: float | None = None  # c of c·tanh(logit/c) on the attention logits (Gemma 2); null: none
     z_loss: float = 0.0  # c of + c·mean((log Z)²) on the output logits (PaLM); 0: none
     depth: int = 4
-    lr: float = 1e-3
+    lr: float = 3e-3  # peak learning rate (after warmup)
     init: str = "normal"
     seed: int = 0
     batch_size: int = 32
     grad_accum: int = 1
     seq_len: int = 128
-    max_steps: int = 600
-    eval_every: int = 200
+    max_steps: int = 500
+    eval_every: int = 100  # evaluate every N steps and at the end; 0: only at the end
     eval_batches: int = 16
     log_every: int = bookkeeping(10)
     precision: str = "auto"

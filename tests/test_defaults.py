@@ -8,6 +8,7 @@ import yaml
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from normlab.cli import main
 from normlab.config import DataConfig, NormConfig, OptimConfig, RunConfig, TokenizerConfig, flatten_config
 from normlab.launch.prechecks import CONFIG_MODULE
 from normlab.launch.resolvers import register_resolvers
@@ -44,3 +45,15 @@ def test_a_group_option_holds_its_choices_never_a_copy_of_a_default(group, schem
         held = flatten_config(yaml.safe_load(Path(path).read_text()) or {})
         copies = {k: v for k, v in held.items() if k != chooser and k in defaults and defaults[k] == v}
         assert copies == {}, f"{path} repeats the schema's defaults {copies}"
+
+
+def test_name_is_a_key_that_names_the_run(tmp_path, monkeypatch, capsys):
+    # Before: "name is not in the composed config; set it with +name=", and a set name changed nothing.
+    assert composed("name=baseline")["name"] == "baseline"
+    assert RunConfig(name="baseline").run_name == "baseline"
+    assert RunConfig().run_name == "layer-pre-d4-lr3e-3-s0"
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "name=baseline", "--cfg", "job"]) == 0
+    assert "name: baseline" in capsys.readouterr().out
+    assert main(["train", "name=a/b", "--cfg", "job"]) == 2
+    assert "name='a/b': a run name has 1 to 100 characters, none of / \\" in capsys.readouterr().err

@@ -134,7 +134,7 @@ class CkptConfig:
 class RunConfig:
     """Everything one run needs. Short top-level keys are the ones users sweep."""
 
-    name: str = bookkeeping("run")
+    name: str | None = bookkeeping(None)  # the run's name (run dir, wandb run, log lines); null: run_name's generated one
     norm: NormConfig = field(default_factory=NormConfig)
     placement: str = "pre"
     mix_p: float = 0.25  # placement=mix: the first ⌊mix_p·depth⌋ blocks are post-norm, the rest pre-norm
@@ -230,8 +230,8 @@ class RunConfig:
 
     @property
     def run_name(self) -> str:
-        """A readable run name, e.g. 'rms-pre-d6-lr1e-3-s0'."""
-        return f"{self.label}-d{self.depth}-lr{format_lr(self.lr)}-s{self.seed}"
+        """The run's name: `name` when set, else a readable one made from the arm, e.g. 'rms-pre-d6-lr1e-3-s0'."""
+        return self.name or f"{self.label}-d{self.depth}-lr{format_lr(self.lr)}-s{self.seed}"
 
     def qk_norm_config(self) -> NormConfig | None:
         """The norm QK-norm puts on each head's queries and keys, or None without QK-norm.

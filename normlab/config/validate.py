@@ -27,6 +27,7 @@ BYTE_VOCAB = 256  # the byte tokenizer's ids
 # The data and tokenizer keys that some sources or kinds read, and which: another must leave them at their defaults.
 SOURCE_KEYS = {"files": ("text",), "name": ("hf",), "config_name": ("hf",), "split": ("hf",), "text_field": ("text", "hf")}
 TOKENIZER_KEYS = {"vocab_size": ("bpe",), "name": ("hf",)}
+NAME_MAX = 100  # a run name is part of its run dir's name
 WANDB_PROJECT_MAX = 128  # wandb's limits on a project name and on each tag
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 WANDB_TAG_MAX = 64
@@ -77,7 +78,11 @@ def check_choices(cfg: Any) -> None:
 
 
 def check_records(cfg: Any) -> None:
-    """Where the run's records go: wandb's mode and connection, and the sinks."""
+    """Where the run's records go: its name, wandb's mode and connection, and the sinks."""
+    if cfg.name is not None and (not 1 <= len(cfg.name) <= NAME_MAX or cfg.name.startswith(".")
+                                 or set("/\\") & set(cfg.name)):
+        raise ConfigError(f"name={cfg.name!r}: a run name has 1 to {NAME_MAX} characters, none of / \\, "
+                          "and does not start with . (null: the name made from the arm, depth, lr and seed)")
     if cfg.wandb.mode is not None:
         _choice("wandb.mode", cfg.wandb.mode, WANDB_MODES)
     _choice("wandb.on_unreachable", cfg.wandb.on_unreachable, WANDB_UNREACHABLE)

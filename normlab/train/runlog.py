@@ -12,7 +12,7 @@ import contextlib
 import logging
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 LOG_NAME = "normlab.log"  # Hydra's `${hydra.job.name}.log`, the job name conf/config.yaml sets
 FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's default job logging's
@@ -23,40 +23,37 @@ def run_log(run_dir: Path, echo: bool = True) -> Iterator[None]:
     """For the duration, the `normlab` logger's INFO lines reach `run_dir`/normlab.log (appended to, created
     at the first line, so a refused run leaves no file) and, with `echo`, the terminal (stdout, as Hydra's).
 
-    Where the logging already set up shows them (Hydra's, or the caller's own at INFO) they go on there,
-    and only a missing normlab.log is added; else (or without `echo`) the run's handlers take the lines
-    alone, so `echo=False` keeps them off the terminal."""
+    Only what is missing is added: no file handler where one writes normlab.log already (Hydra's), no
+    console handler where one writes to the terminal already. The lines still go on to the loggers above
+    (pytest's caplog, your own logging), so `echo=False` adds nothing to the terminal itself."""
     logger = logging.getLogger("normlab")
     path = (Path(run_dir) / LOG_NAME).resolve()
-    shown = echo and logger.isEnabledFor(logging.INFO) and logger.hasHandlers()
     handlers: list[logging.Handler] = []
-    if not _writes_to(logger, path, ancestors=shown):  # cut off from its ancestors, the logger needs its own
+    if not _writes_to(logger, lambda h: isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve() == path):
         handlers.append(logging.FileHandler(path, delay=True))
-    if echo and not shown:
+    if echo and not _writes_to(logger, lambda h: type(h) is logging.StreamHandler and h.stream in (sys.stdout, sys.stderr)):
         handlers.append(logging.StreamHandler(sys.stdout))
-    level, propagate = logger.level, logger.propagate
+    level = logger.level
     for handler in handlers:
         handler.setFormatter(logging.Formatter(FORMAT))
         logger.addHandler(handler)
-    if not shown:
+    if not logger.isEnabledFor(logging.INFO):
         logger.setLevel(logging.INFO)
-        logger.propagate = False
     try:
         yield
     finally:
         logger.setLevel(level)
-        logger.propagate = propagate
         for handler in handlers:
             logger.removeHandler(handler)
             handler.close()
 
 
-def _writes_to(logger: logging.Logger, path: Path, ancestors: bool) -> bool:
-    """Whether a file handler of `logger`, or with `ancestors` of a logger it propagates to, writes `path`
-    (Hydra's job log is a handler of the root logger)."""
+def _writes_to(logger: logging.Logger, writes: Callable[[logging.Handler], bool]) -> bool:
+    """Whether a handler of `logger`, or of a logger its records propagate to, `writes` (Hydra's job logging
+    puts its console and file handlers on the root logger)."""
     node: logging.Logger | None = logger
     while node is not None:
-        if any(Path(h.baseFilename).resolve() == path for h in node.handlers if isinstance(h, logging.FileHandler)):
+        if any(writes(h) for h in node.handlers):
             return True
-        node = node.parent if ancestors and node.propagate else None
+        node = node.parent if node.propagate else None
     return False

@@ -6,8 +6,8 @@ notebook, a script), the same run and the same comparison:
     from normlab import RunConfig, train_run, load_runs, compare
 
     summary = train_run(RunConfig.from_dict({"norm": {"name": "rms"}, "max_steps": 200}), "runs/rms")
-    table = [{**run.settings, **run.summary} for run in load_runs("multirun/")]  # one row per run dir
-    report_dir = compare(["multirun/"])
+    table = [{**run.settings, **run.summary} for run in load_runs("outputs/sweeps/")]  # one row per run dir
+    report_dir = compare(["outputs/sweeps/"])
 """
 
 import importlib

@@ -16,5 +16,7 @@ normlab train -m +experiment=xiong2020 "hydra.sweep.dir=${init_dir}" "$@" \
     max_steps=1 optim.warmup_steps=0 eval_batches=1 seed=0,1,2,3,4,5,6,7 progress=false
 normlab train -m +experiment=xiong2020 "hydra.sweep.dir=${sweep_dir}" "$@"
 normlab compare "${sweep_dir}" --out "${sweep_dir}/report"
+# docs/reproductions.md shows the report's per-layer gradient plot under this name
+cp "${sweep_dir}/report/layers_grad_norm.png" "${sweep_dir}/report/xiong2020_layers_grad_norm.png"
 python "${here}/plot_xiong2020.py" --init "${init_dir}" --runs "${sweep_dir}" --out "${sweep_dir}/report"
 echo "report: ${sweep_dir}/report/report.md"

@@ -268,18 +268,18 @@ def test_the_objective_adds_the_z_loss_and_the_returned_loss_stays_the_cross_ent
 
 
 def test_default_run_names_are_unchanged_and_each_new_key_shows_in_the_name():
-    assert RunConfig().run_name == "layer-pre-d4-lr1e-3-s0"
-    assert RunConfig(qk_norm=True, placement="mix").run_name == "layer-mix0.25-qk-d4-lr1e-3-s0"
+    assert RunConfig().run_name == "layer-pre-d4-lr3e-3-s0"
+    assert RunConfig(qk_norm=True, placement="mix").run_name == "layer-mix0.25-qk-d4-lr3e-3-s0"
     arms = [dict(placement="reordered"), dict(placement="lns"), dict(embed_norm=True), dict(final_norm=True),
             dict(final_norm=False), dict(residual_gate="rezero"), dict(residual_gate="rezero", residual_gate_init=0.1),
             dict(residual_gate="layerscale"), dict(qk_norm=True), dict(qk_norm=True, qk_norm_axis="all"),
             dict(qk_norm=True, qk_norm_gains="head"), dict(attn_softcap=50.0), dict(z_loss=1e-4), dict(z_loss=1e-3)]
     names = [RunConfig.from_dict(arm).run_name for arm in arms]
     assert len(set(names)) == len(names) and RunConfig().run_name not in names
-    assert names[1] == "layer-lns-d4-lr1e-3-s0" and names[6] == "layer-pre-rezero0.1-d4-lr1e-3-s0"
-    assert names[9] == "layer-pre-qk_all-d4-lr1e-3-s0" and names[11] == "layer-pre-cap50-d4-lr1e-3-s0"
-    assert names[12] == "layer-pre-z1e-4-d4-lr1e-3-s0"
-    assert RunConfig.from_dict({"norm": {"name": "derf"}}).run_name == "derf-pre-d4-lr1e-3-s0"
+    assert names[1] == "layer-lns-d4-lr3e-3-s0" and names[6] == "layer-pre-rezero0.1-d4-lr3e-3-s0"
+    assert names[9] == "layer-pre-qk_all-d4-lr3e-3-s0" and names[11] == "layer-pre-cap50-d4-lr3e-3-s0"
+    assert names[12] == "layer-pre-z1e-4-d4-lr3e-3-s0"
+    assert RunConfig.from_dict({"norm": {"name": "derf"}}).run_name == "derf-pre-d4-lr3e-3-s0"
 
 
 def test_the_new_keys_change_results_so_none_is_bookkeeping():

@@ -76,10 +76,12 @@ def trained(cwd) -> list:
         (["+model.zzz=1"], ["the keys under model are: d_model, n_head"]),
         (["+lr=1e-3"], ["lr is already in the config", "write lr=1e-3 (without +)"]),
         # a key the chosen group option does not have
-        (["data.files=[a.txt]"], ["data=stdlib has no key files", "data=text"]),
+        (["data.files=[a.txt]"], ["data.files is set, but data=stdlib does not read it", "add data=text"]),
         (["+data.files=[a.txt]"], ["data.files is set, but data=stdlib does not read it", "add data=text"]),
-        (["norm=rms", "norm.momentum=0.5"], ["norm=rms has no knob 'momentum'", "norm=batch"]),
-        (["tokenizer.name=gpt2"], ["tokenizer=byte has no key name", "tokenizer=hf"]),
+        (["norm=rms", "norm.momentum=0.5"], ["norm=rms has no knob 'momentum'", "(norm=batch read it)"]),
+        (["tokenizer.name=gpt2"], ["tokenizer.name is set, but tokenizer=byte does not read it", "add tokenizer=hf"]),
+        (["tokenizer.vocab_size=1000"], ["tokenizer.vocab_size is set, but tokenizer=byte does not read it", "tokenizer=bpe"]),
+        (["data.split=test"], ["data.split is set, but data=stdlib does not read it", "add data=hf"]),
         # a mapping or list where a group's option or a single value goes (Hydra: a TypeError, or its merge error)
         (["norm={a: 1}"], ["norm={a:1}: norm is a config group: give the name of one of its options (batch, ",
                            "not a mapping; to set norm.a, write norm.a=1"]),
@@ -249,3 +251,19 @@ def test_hydras_own_keys_and_groups_and_presets_are_not_refused():
     check_command_line(line, [], True, CONFIG_MODULE)
     [cfg] = check_composition(line, [], CONFIG_MODULE)
     assert cfg.norm.eps == 1e-6 and list(cfg.hydra.sweeper.params) == ["norm", "placement"]
+
+
+def test_dotted_keys_build_the_config_they_name_with_or_without_validation():
+    # a checkpoint's config is flattened: its dotted keys once fell silently back to the 128-wide default model
+    flat = {"model.d_model": 64, "model.n_head": 2, "norm.name": "rms", "optim.betas": [0.9, 0.99], "depth": 3}
+    for validate in (True, False):
+        cfg = RunConfig.from_dict(flat, validate=validate)
+        assert (cfg.model.d_model, cfg.model.n_head, cfg.norm.name, cfg.optim.betas, cfg.depth) == (64, 2, "rms", [0.9, 0.99], 3)
+    mixed = RunConfig.from_dict({"model": {"n_head": 2}, "model.d_model": 64})
+    assert (mixed.model.d_model, mixed.model.n_head) == (64, 2)
+    with pytest.raises(ConfigError, match=r"^model\.d_model is given twice, as 32 \(nested\) and 64 \(dotted\)"):
+        RunConfig.from_dict({"model": {"d_model": 32}, "model.d_model": 64}, validate=False)
+    with pytest.raises(ConfigError, match=r"^norm\.eps=1e-06: norm is rms, not a mapping"):
+        RunConfig.from_dict({"norm": "rms", "norm.eps": 1e-6}, validate=False)
+    with pytest.raises(ConfigError, match="model.dmodel is not a config key; did you mean model.d_model"):
+        RunConfig.from_dict({"model.dmodel": 64})

@@ -34,7 +34,7 @@ def test_bookkeeping_keys_come_from_the_schema_marks():
 def test_bookkeeping_fields_keep_their_defaults():
     cfg = RunConfig()
     assert (cfg.name, cfg.resume, cfg.log_every, cfg.ckpt.every, cfg.wandb.mode, cfg.data.cache_dir) == (
-        "run", "auto", 10, 100, None, None,
+        None, "auto", 10, 100, None, None,
     )  # fmt: skip
     assert cfg.wandb is not RunConfig().wandb  # a default factory, not one shared instance
 

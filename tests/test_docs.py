@@ -1,7 +1,13 @@
 """README.md and every page under docs/ render as written: every code block closes, and every relative
-link resolves. The README is a user's page: short, and it links every docs page."""
+link resolves. The README is a user's page: short, and it links every docs page. What the docs quote is
+tied to what makes it (scripts/check_docs.py): quoted outputs are re-run here, figures and images name
+the check or script that re-makes them."""
 
+import importlib
+import importlib.util
 import re
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,3 +67,68 @@ def test_readme_is_a_short_page():
 def test_readme_links_every_docs_page(page):
     linked = {(ROOT / target.partition("#")[0]).resolve() for target in LINK.findall("\n".join(outside_code(README)))}
     assert page.resolve() in linked, f"README.md does not link {page.relative_to(ROOT)}"
+
+
+# ---------------------------------------------------------------- what the docs quote is re-run (scripts/check_docs.py)
+
+
+def _check_docs():
+    spec = importlib.util.spec_from_file_location("check_docs", ROOT / "scripts" / "check_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_docs"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+CHECK_DOCS = _check_docs()
+QUOTED = [(path, number, command, expected) for path in DOCS
+          for number, commands in CHECK_DOCS.output_blocks(path) for command, expected in commands]
+
+
+@pytest.mark.parametrize("path, number, command, expected", QUOTED,
+                         ids=[f"{p.name}:{n}" for p, n, _, _ in QUOTED])
+def test_a_quoted_output_is_what_its_command_prints_now(path, number, command, expected, tmp_path, monkeypatch, capsys):
+    # In this process: the quoted outputs are bad-input lines, printed before anything heavy starts.
+    from normlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = shlex.split(command)
+    assert argv[0] == "normlab", f"{path.name}:{number}: a checked block runs normlab"
+    main(argv[1:])
+    out = capsys.readouterr()
+    assert (out.out + out.err).rstrip("\n").splitlines() == expected, f"{path.name}:{number}: `{command}`"
+
+
+def test_the_docs_quote_outputs_that_are_checked():
+    assert {p.name for p, *_ in QUOTED} >= {"README.md", "configuration.md", "sweeps.md"}
+
+
+def test_a_figure_in_prose_names_the_check_that_reruns_it():
+    marks = [(path, *mark) for path in DOCS for mark in CHECK_DOCS.figure_marks(path)]
+    assert marks, "no figure is marked"
+    for path, number, fid, quoted in marks:
+        assert fid in CHECK_DOCS.FIGURES, f"{path.name}:{number}: no check {fid!r} in scripts/check_docs.py"
+        shape = re.search(r"\((.*?)\)", CHECK_DOCS.FIGURES[fid].pattern).group(1)
+        assert re.fullmatch(shape, quoted), f"{path.name}:{number}: {quoted!r} is not what check {fid} finds"
+    assert set(CHECK_DOCS.FIGURES) == {fid for _, _, fid, _ in marks}, "a check that no doc quotes"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_an_image_names_the_script_that_draws_it(path):
+    for number, image, script in CHECK_DOCS.image_marks(path):
+        assert script, f"{path.name}:{number}: {image} has no <!-- made by: SCRIPT --> line before it"
+        source = ROOT / script
+        assert source.is_file(), f"{path.name}:{number}: {script} does not exist"
+        called = re.findall(r"\$\{here\}/([\w.]+)", source.read_text())  # the scripts a shell script runs
+        texts = [source.read_text(), *((source.parent / name).read_text() for name in called)]
+        assert any(Path(image).name in text for text in texts), f"{path.name}:{number}: {script} never names {image}"
+
+
+def test_python_snippets_read_the_dirs_normlab_writes():
+    # normlab train writes outputs/runs/ and outputs/sweeps/; a snippet reads those, or a dir it trained itself
+    snippets = [block for path in DOCS for block in re.findall(r"```python\n(.*?)```", path.read_text(), re.S)]
+    snippets.append(importlib.import_module("normlab").__doc__)
+    for snippet in snippets:
+        trained = set(re.findall(r"train_run\([^\n]*?\"([^\"]+)\"\)", snippet))
+        for read in re.findall(r"(?:load_runs\(|compare\(\[)\"([^\"]+)\"", snippet):
+            assert read.startswith("outputs/") or read in trained, f"a snippet reads {read!r}, where normlab writes nothing"

@@ -124,7 +124,7 @@ def test_a_new_registry_row_is_a_norm_everywhere(peak, monkeypatch):
     norms = [m for m in model.modules() if is_norm(m)]
     assert norms and all(isinstance(m, PeakNorm) for m in norms)
     assert isinstance(model.blocks[0].attn.q_norm, PeakNorm) and not needs_ddp_sync(norms[0])
-    assert model(torch.zeros(2, 4, dtype=torch.long)).shape == (2, 4, cfg.model.vocab_size)
+    assert model(torch.zeros(2, 4, dtype=torch.long)).shape == (2, 4, 256)  # model.vocab_size=null: the byte tokenizer's
 
     monkeypatch.setitem(NORM_TRAITS, "peak", NormTraits("PeakNorm", ("eps",), ("PeakNorm",), batch_statistics=True))
     with pytest.raises(ConfigError, match="qk_norm=true with norm=peak: PeakNorm is not a per-token norm"):
@@ -138,7 +138,8 @@ def test_a_new_registry_row_is_a_norm_everywhere(peak, monkeypatch):
 def test_a_knob_the_norm_does_not_read_is_refused_unless_at_its_default():
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict({"norm": {"name": "scale", "weight": False}})
-    assert str(err.value) == "norm.weight=false: norm=scale has no knob 'weight'; its knobs are eps"
+    assert str(err.value) == ("norm.weight=false: norm=scale has no knob 'weight'; its knobs are eps "
+                              "(norm=layer, norm=rms, norm=batch, norm=dyt, norm=derf read it)")
     with pytest.raises(ConfigError, match="norm.momentum=0.3: norm=layer has no knob 'momentum'; its knobs are eps, weight, bias"):
         RunConfig.from_dict({"norm": {"name": "layer", "momentum": 0.3}})
     # At its default a knob changes nothing: a saved run's config lists every knob, and loads.
@@ -150,7 +151,8 @@ def test_a_knob_the_norm_does_not_read_is_refused_unless_at_its_default():
     "argv,message",
     [
         (["norm=scale", "norm.weight=false"], "norm.weight=false: norm=scale has no knob 'weight'; its knobs are eps"),
-        (["norm=scale", "+norm.weight=true"], "norm.weight=true: norm=scale has no knob 'weight'"),
+        # every knob is in the composed config (the schema's), so + is refused before the knob is
+        (["norm=scale", "+norm.weight=true"], "norm.weight is already in the config: write norm.weight=true (without +)"),
         (["norm=layer", "norm.causal=true"], "norm.causal=true: norm=layer has no knob 'causal'; its knobs are eps, weight, bias"),
         (["-m", "norm=layer,dyt", "norm.alpha_attn=1.0"], "norm.alpha_attn=1.0: norm=layer has no knob 'alpha_attn'"),
     ],

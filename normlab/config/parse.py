@@ -8,6 +8,7 @@ this module does not import it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -21,6 +22,8 @@ from normlab.config.validate import RESUME_CHOICES, is_number
 def build_config(cls: type, raw: Mapping[str, Any], validate: bool) -> Any:
     """Dataclass `cls` built from `raw` and, with `validate`, validated (RunConfig.from_dict): unknown keys
     are checked first, then each value's type as it is built, then the values together."""
+    if isinstance(raw, Mapping):
+        raw = nest_dotted(raw)
     if isinstance(raw, Mapping) and isinstance(raw.get("resume"), bool):
         raise ConfigError(f"resume={raw['resume']}: {RESUME_CHOICES}")
     if validate and isinstance(raw, Mapping):
@@ -123,6 +126,28 @@ def nest_config(flat: Mapping[str, Any], into: dict | None = None) -> dict:
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
+    return tree
+
+
+def nest_dotted(raw: Mapping[str, Any]) -> dict:
+    """`raw` with its dotted keys ('model.d_model': 64, as a checkpoint's flattened config holds them) nested
+    beside the nested ones ({'model': {'d_model': 64}}), a copy; ConfigError (one line) for a key given both
+    ways with two values, or a dotted key under one that is not a mapping ('norm': 'rms' with 'norm.eps')."""
+    dotted = {str(k): v for k, v in raw.items() if "." in str(k)}
+    if not dotted:
+        return dict(raw)
+    tree = copy.deepcopy({k: v for k, v in raw.items() if k not in dotted})
+    for key, value in dotted.items():
+        node, path = tree, key.split(".")
+        for depth, part in enumerate(path[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                above = ".".join(path[: depth + 1])
+                raise ConfigError(f"{key}={override_text(value)}: {above} is {override_text(node)}, not a mapping of keys")
+        if path[-1] in node and node[path[-1]] != value:
+            raise ConfigError(f"{key} is given twice, as {override_text(node[path[-1]])} (nested) and "
+                              f"{override_text(value)} (dotted): give it once")
+        node[path[-1]] = value
     return tree
 
 

@@ -88,8 +88,10 @@ def check_norm_knob(norm: str, knob: str, value: Any) -> None:
     knobs = norm_traits(norm).knobs
     if knob not in knobs:
         shown = str(value).lower() if isinstance(value, bool) else value
+        readers = [f"norm={name}" for name, traits in NORM_TRAITS.items() if knob in traits.knobs]
         raise ConfigError(
             f"norm.{knob}={shown}: norm={norm} has no knob {knob!r}; its knobs are {', '.join(knobs) or 'none'}"
+            + (f" ({', '.join(readers)} read it)" if readers else "")
         )
 
 

@@ -1,6 +1,8 @@
 """The run schema: typed configuration for one normlab run, and its dotted keys.
 
-Hydra composes plain YAML (conf/); `RunConfig.from_dict` turns the resolved mapping into these
+These dataclasses are the one place a default is written: `normlab train` composes them (registered
+with Hydra as the schema `base`, normlab.launch.resolvers) under the choices of conf/ (presets, norms,
+data), and `RunConfig()` is the same config. `RunConfig.from_dict` turns the resolved mapping into these
 dataclasses (normlab.config.parse) and checks every value (normlab.config.validate) before anything
 heavy starts. A bad value raises `ConfigError` with one line naming the key and what is allowed.
 Nothing here imports torch, so validation is instant.
@@ -60,7 +62,7 @@ class ModelConfig:
     context: int = 128  # number of learned positions: the longest sequence the model takes
     mlp_ratio: int = 4
     bias: bool = True  # biases of the linear layers
-    vocab_size: int | None = 256  # null: the tokenizer's vocabulary (the presets' choice); else at least it
+    vocab_size: int | None = None  # null: the tokenizer's vocabulary (256 for tokenizer=byte); else at least it
     embed_scale: bool = False  # multiply the token embedding by sqrt(d_model) (Vaswani et al. 2017; xiong2020 preset)
 
 
@@ -132,7 +134,7 @@ class CkptConfig:
 class RunConfig:
     """Everything one run needs. Short top-level keys are the ones users sweep."""
 
-    name: str = bookkeeping("run")
+    name: str | None = bookkeeping(None)  # the run's name (run dir, wandb run, log lines); null: run_name's generated one
     norm: NormConfig = field(default_factory=NormConfig)
     placement: str = "pre"
     mix_p: float = 0.25  # placement=mix: the first ⌊mix_p·depth⌋ blocks are post-norm, the rest pre-norm
@@ -146,14 +148,14 @@ class RunConfig:
     attn_softcap: float | None = None  # c of c·tanh(logit/c) on the attention logits (Gemma 2); null: none
     z_loss: float = 0.0  # c of + c·mean((log Z)²) on the output logits (PaLM); 0: none
     depth: int = 4
-    lr: float = 1e-3
+    lr: float = 3e-3  # peak learning rate (after warmup)
     init: str = "normal"
     seed: int = 0
     batch_size: int = 32
     grad_accum: int = 1
     seq_len: int = 128
-    max_steps: int = 600
-    eval_every: int = 200
+    max_steps: int = 500
+    eval_every: int = 100  # evaluate every N steps and at the end; 0: only at the end
     eval_batches: int = 16
     log_every: int = bookkeeping(10)
     precision: str = "auto"
@@ -185,6 +187,8 @@ class RunConfig:
     def from_dict(cls, raw: Mapping[str, Any], validate: bool = True) -> RunConfig:
         """Build (and unless told not to, validate) a RunConfig from a resolved mapping.
 
+        `raw` is nested ({'model': {'d_model': 64}}), dotted ({'model.d_model': 64}, as a checkpoint's
+        flattened config holds it) or both; a key given both ways with two values raises ConfigError.
         Keys unknown to the schema raise ConfigError when validating (a typo would otherwise change
         nothing, silently), with the nearest known key as a suggestion; without validation they are kept
         out, so an old config.json still loads. Values of the wrong type raise ConfigError either way.
@@ -226,8 +230,8 @@ class RunConfig:
 
     @property
     def run_name(self) -> str:
-        """A readable run name, e.g. 'rms-pre-d6-lr1e-3-s0'."""
-        return f"{self.label}-d{self.depth}-lr{format_lr(self.lr)}-s{self.seed}"
+        """The run's name: `name` when set, else a readable one made from the arm, e.g. 'rms-pre-d6-lr1e-3-s0'."""
+        return self.name or f"{self.label}-d{self.depth}-lr{format_lr(self.lr)}-s{self.seed}"
 
     def qk_norm_config(self) -> NormConfig | None:
         """The norm QK-norm puts on each head's queries and keys, or None without QK-norm.

@@ -24,6 +24,10 @@ BPE_VOCAB_RANGE = (257, 65536)  # the 256 bytes plus at least one merge; ids fit
 WANDB_MODES = ("offline", "online", "disabled")
 SEED_RANGE = (0, 2**32 - 1)  # what numpy and torch take as a seed
 BYTE_VOCAB = 256  # the byte tokenizer's ids
+# The data and tokenizer keys that some sources or kinds read, and which: another must leave them at their defaults.
+SOURCE_KEYS = {"files": ("text",), "name": ("hf",), "config_name": ("hf",), "split": ("hf",), "text_field": ("text", "hf")}
+TOKENIZER_KEYS = {"vocab_size": ("bpe",), "name": ("hf",)}
+NAME_MAX = 100  # a run name is part of its run dir's name
 WANDB_PROJECT_MAX = 128  # wandb's limits on a project name and on each tag
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 WANDB_TAG_MAX = 64
@@ -74,7 +78,11 @@ def check_choices(cfg: Any) -> None:
 
 
 def check_records(cfg: Any) -> None:
-    """Where the run's records go: wandb's mode and connection, and the sinks."""
+    """Where the run's records go: its name, wandb's mode and connection, and the sinks."""
+    if cfg.name is not None and (not 1 <= len(cfg.name) <= NAME_MAX or cfg.name.startswith(".")
+                                 or set("/\\") & set(cfg.name)):
+        raise ConfigError(f"name={cfg.name!r}: a run name has 1 to {NAME_MAX} characters, none of / \\, "
+                          "and does not start with . (null: the name made from the arm, depth, lr and seed)")
     if cfg.wandb.mode is not None:
         _choice("wandb.mode", cfg.wandb.mode, WANDB_MODES)
     _choice("wandb.on_unreachable", cfg.wandb.on_unreachable, WANDB_UNREACHABLE)
@@ -291,25 +299,17 @@ def check_limits(cfg: Any) -> None:
         raise ConfigError(f"optim.betas={betas}: AdamW takes two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
     if cfg.optim.eps < 0:
         raise ConfigError(f"optim.eps={cfg.optim.eps}: must be >= 0")
-    tokenizer_vocab = {"byte": BYTE_VOCAB, "bpe": cfg.tokenizer.vocab_size}.get(cfg.tokenizer.kind)
+    vocab = tokenizer_vocab(cfg)
     if cfg.model.vocab_size is not None:
         _at_least("model.vocab_size", cfg.model.vocab_size, 1)
-        if tokenizer_vocab is not None and cfg.model.vocab_size < tokenizer_vocab:
+        if vocab is not None and cfg.model.vocab_size < vocab:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                f"({tokenizer_vocab} ids, tokenizer={cfg.tokenizer.kind}): set model.vocab_size=null to follow "
-                f"the tokenizer, or at least {tokenizer_vocab}"
+                f"({vocab} ids, tokenizer={cfg.tokenizer.kind}): set model.vocab_size=null to follow "
+                f"the tokenizer, or at least {vocab}"
             )
-    for key, source in (("files", "text"), ("name", "hf"), ("config_name", "hf")):
-        if getattr(cfg.data, key) and cfg.data.source != source:
-            raise ConfigError(
-                f"data.{key} is set, but data={cfg.data.source} does not read it: add data={source} "
-                f"(data.{key} belongs to data={source})"
-            )
-    if cfg.tokenizer.name and cfg.tokenizer.kind != "hf":
-        raise ConfigError(
-            f"tokenizer.name is set, but tokenizer={cfg.tokenizer.kind} does not read it: add tokenizer=hf"
-        )
+    _only_where_read(cfg.data, "data", "source", SOURCE_KEYS)
+    _only_where_read(cfg.tokenizer, "tokenizer", "kind", TOKENIZER_KEYS)
     check_wandb_names(cfg.wandb.project, cfg.wandb.tags)
 
 
@@ -333,6 +333,24 @@ def check_wandb_names(project: str | None, tags: list) -> None:
     for tag in tags:
         if not isinstance(tag, (str, int, float)) or isinstance(tag, bool) or not 1 <= len(str(tag)) <= WANDB_TAG_MAX:
             raise ConfigError(f"wandb.tags: tag {tag!r} is not allowed: a wandb tag is a string of 1 to {WANDB_TAG_MAX} characters")
+
+
+def _only_where_read(section: Any, group: str, chooser: str, readers: dict[str, tuple[str, ...]]) -> None:
+    """A key of `section` (cfg.data, cfg.tokenizer) that the chosen option (its `chooser` key) does not read must
+    keep its default, as a norm's knob must (check_norm_knobs): a set one would be silently ignored."""
+    chosen, defaults = getattr(section, chooser), type(section)()
+    for key, options in readers.items():
+        if chosen not in options and getattr(section, key) != getattr(defaults, key):
+            raise ConfigError(
+                f"{group}.{key} is set, but {group}={chosen} does not read it: add {group}={options[0]} "
+                f"({group}.{key} belongs to {' and '.join(f'{group}={o}' for o in options)})"
+            )
+
+
+def tokenizer_vocab(cfg: Any) -> int | None:
+    """The tokenizer's vocabulary as the config alone tells it (byte: 256, bpe: tokenizer.vocab_size); None for
+    tokenizer=hf, whose vocabulary is known once it loads."""
+    return {"byte": BYTE_VOCAB, "bpe": cfg.tokenizer.vocab_size}.get(cfg.tokenizer.kind)
 
 
 def is_number(value: Any) -> bool:

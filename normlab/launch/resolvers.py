@@ -1,5 +1,7 @@
-"""The OmegaConf resolvers normlab's packaged config uses: ${launch_time:FORMAT}, ${uid:}, ${lr_label:${lr}}
-and ${run_name:}. `register_resolvers` registers them; nothing registers them at import of this module."""
+"""What normlab's packaged config needs registered before Hydra composes it: the schema `base` (RunConfig's
+defaults, the first entry of conf/config.yaml's defaults list) and the OmegaConf resolvers ${launch_time:FORMAT},
+${uid:}, ${lr_label:${lr}} and ${run_name:}. `register_resolvers` registers them all; nothing registers them at
+import of this module."""
 
 from __future__ import annotations
 
@@ -7,19 +9,25 @@ import secrets
 import time
 from datetime import datetime
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from normlab.config import ConfigError, RunConfig, format_lr
 
 
+SCHEMA = "base"  # the name conf/config.yaml's defaults list gives RunConfig's defaults
+
+
 def register_resolvers(stamp: tuple[float, str] | None = None) -> None:
-    """Resolvers the packaged config uses: ${launch_time:FORMAT} and ${uid:} (the launch's time and
-    id, which name its output dirs), ${lr_label:${lr}} and ${run_name:}.
+    """What the packaged config uses: the schema `base` (register_schema), and the resolvers
+    ${launch_time:FORMAT} and ${uid:} (the launch's time and id, which name its output dirs),
+    ${lr_label:${lr}} and ${run_name:}.
 
     `stamp` = (unix time, id) pins the first two (torchrun ranks pass rank 0's); without it each
     process draws its own once. Both are cached, and Hydra copies the cache into every sweep job
     (and submitit pickles it with the launcher), so one launch, and a requeued job, keeps its dirs.
     """
+    register_schema()
     if stamp is not None or not OmegaConf.has_resolver("uid"):
         launched, uid = stamp or (time.time(), secrets.token_hex(3))
         OmegaConf.register_new_resolver("uid", lambda: uid, use_cache=True, replace=True)
@@ -30,6 +38,15 @@ def register_resolvers(stamp: tuple[float, str] | None = None) -> None:
         OmegaConf.register_new_resolver("lr_label", lambda lr: format_lr(float(lr)))
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver("run_name", _run_name)
+
+
+def register_schema() -> None:
+    """Register RunConfig's defaults with Hydra's ConfigStore as `base`, the config that conf/config.yaml
+    composes first: so the YAML holds choices (a preset's size, a norm's name), never a second copy of a
+    default, and `normlab train` with no overrides composes RunConfig(). Stored as a plain mapping, not as
+    the dataclass: OmegaConf's typed nodes cannot hold `final_norm: bool | str` and would refuse a bad
+    value in lines of their own, where RunConfig.from_dict says what is wrong in one line."""
+    ConfigStore.instance().store(name=SCHEMA, node=RunConfig().to_dict())
 
 
 def _run_name(*, _root_: DictConfig) -> str:

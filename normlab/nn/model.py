@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from normlab.config import NORM_TRAITS, PLACEMENT_TRAITS, RunConfig
-from normlab.config.validate import AUTO_FINAL_NORM
+from normlab.config.validate import AUTO_FINAL_NORM, tokenizer_vocab
 from normlab.nn.norms import build_norm
 from normlab.nn.sublayers import MLP, CausalSelfAttention
 
@@ -203,14 +203,17 @@ class GPT(nn.Module):
         # The original Transformer's embedding scale: token embeddings × sqrt(d) on the way in (the
         # tied head reads the unscaled matrix), so the stream starts at the size of the sublayers' outputs.
         self.embed_scale = math.sqrt(m.d_model) if m.embed_scale else 1.0
-        self.tok_emb = nn.Embedding(m.vocab_size, m.d_model)
+        vocab = m.vocab_size if m.vocab_size is not None else tokenizer_vocab(cfg)
+        if vocab is None:  # tokenizer=hf: train() resolves it from the loaded tokenizer (with_model_vocab)
+            raise ValueError("model.vocab_size is null and tokenizer=hf's vocabulary is known only once it loads: set it")
+        self.tok_emb = nn.Embedding(vocab, m.d_model)
         self.pos_emb = nn.Embedding(m.context, m.d_model)
         slots = [block_slots(cfg.placement, i, cfg.depth, cfg.mix_p) for i in range(cfg.depth)]
         centered = read_by_batch_norms(cfg, slots)
         self.norm_embed = build_embed_norm(cfg, shift=not centered[0]) if cfg.embed_norm else nn.Identity()
         self.blocks = nn.ModuleList(Block(cfg, s, centered[i + 1]) for i, s in enumerate(slots))
         self.norm_f = build_norm(cfg.norm, m.d_model, "final", m.context) if uses_final_norm(cfg) else nn.Identity()
-        self.head = nn.Linear(m.d_model, m.vocab_size, bias=False)
+        self.head = nn.Linear(m.d_model, vocab, bias=False)
         self.head.weight = self.tok_emb.weight  # tied output head
         beta = deepnorm_beta(cfg.depth) if PLACEMENT_TRAITS[cfg.placement].deepnorm else 1.0
         init_weights(self, cfg.init, cfg.depth, beta)

@@ -40,6 +40,7 @@ from normlab.train.loop import batch_loader, emit, held_out_batches, run_steps
 from normlab.train.optim import param_groups
 from normlab.train.preempt import Preempted
 from normlab.train.probe import Probe
+from normlab.train.runlog import run_log
 from normlab.train.runtime import (
     compile_model, compile_steps, configure_determinism, configure_host_allocator, configure_matmul, resolve_device,
     resolve_precision, seed_everything,
@@ -49,7 +50,8 @@ from normlab.train.state import TrainState
 
 
 def train(
-    cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None, callbacks: Sequence[Callback] = ()
+    cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None, callbacks: Sequence[Callback] = (),
+    echo: bool = True,
 ) -> dict[str, Any]:
     """Train one model as `cfg` says; write config.json and summary.json into `run_dir`; return the summary.
 
@@ -63,10 +65,15 @@ def train(
     that does not restore, records of another config) raises CheckpointError before anything in
     `run_dir` changes. A preemption signal (preempt.py) raises Preempted:
     before the first step at once, later after the checkpoint is saved. Under torchrun only rank 0 writes files.
+
+    The run says what it does as `normlab train` does: a first line (name, device, precision, parameters, run
+    dir) and a last (status, losses, tokens/s), in the run dir's normlab.log and, with `echo`, on the terminal
+    (normlab.train.runlog).
     """
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     writes = distributed.is_main()
-    with run_dir.lock() if writes else contextlib.nullcontext(), preempt.starting():
+    with run_dir.lock() if writes else contextlib.nullcontext(), preempt.starting(), \
+            run_log(run_dir.path, echo) if writes else contextlib.nullcontext():
         return _train_in(cfg, run_dir, sinks, callbacks, writes)
 
 

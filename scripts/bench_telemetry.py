@@ -81,7 +81,7 @@ def probe_cost(steps: int, batch: int, seq: int) -> tuple[float, float, float]:
     torch.manual_seed(0)
     model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, cfg.model.vocab_size, (batch, seq))
+    x = torch.randint(0, model.tok_emb.num_embeddings, (batch, seq))  # model.vocab_size null: the tokenizer's
     probe, scaler = Probe(model, every=1, max_steps=steps), torch.amp.GradScaler("cpu", enabled=False)
 
     def step(watched: bool) -> float:

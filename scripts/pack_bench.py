@@ -69,7 +69,7 @@ class GroupedGPT:
     alternative to vmap that issue 14 asks to measure. Same shapes as normlab's model; not used for training."""
 
     def __init__(self, members: int, cfg, device: torch.device):
-        m, d, v, depth = members, cfg.model.d_model, cfg.model.vocab_size, cfg.depth
+        m, d, v, depth = members, cfg.model.d_model, cfg.model.vocab_size or 256, cfg.depth  # null: the byte tokenizer's
         self.m, self.d, self.heads = m, d, cfg.model.n_head
 
         def weight(*shape, std=0.02):
@@ -119,7 +119,7 @@ def time_kernels(cfgs, rounds: int, steps: int, device: torch.device, precision:
     pack, _ = build_pack(cfgs, device)
     grouped = GroupedGPT(len(cfgs), cfgs[0], device)
     m, cfg = len(cfgs), cfgs[0]
-    idx = torch.randint(0, cfg.model.vocab_size, (m, cfg.batch_size, cfg.seq_len), device=device)
+    idx = torch.randint(0, cfg.model.vocab_size or 256, (m, cfg.batch_size, cfg.seq_len), device=device)
 
     def vmap_step():
         with autocast(device, precision):

@@ -24,10 +24,10 @@ def _csv_rows(path):
         return list(csv.DictReader(fh))
 
 
-def test_a_run_with_no_sinks_still_leaves_config_and_summary(tmp_path):
+def test_a_run_with_no_sinks_still_leaves_config_summary_and_log(tmp_path):
     cfg = _cfg([])
     summary = train(cfg, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["config.json", "summary.json"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["config.json", "normlab.log", "summary.json"]
     assert json.loads((tmp_path / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))
     assert RunConfig.from_dict(json.loads((tmp_path / "config.json").read_text())) == cfg
     saved = json.loads((tmp_path / "summary.json").read_text())

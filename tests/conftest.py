@@ -91,3 +91,18 @@ def text_data(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text(" ".join(words[i] for i in picks))
     return DataConfig(source="text", files=[str(path)], cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.fixture(autouse=True)
+def _loggers_as_they_were():
+    """Handlers an in-process command added (Hydra's job logging puts console handlers on the root logger, bound
+    to the sys.stdout of that moment: a test's captured stream, closed after it) are removed after the test,
+    so a later test's log line is not a '--- Logging error ---' on a closed stream."""
+    import logging
+
+    loggers = [logging.getLogger(), logging.getLogger("normlab")]
+    before = [list(logger.handlers) for logger in loggers]
+    yield
+    for logger, handlers in zip(loggers, before):
+        for handler in [h for h in logger.handlers if h not in handlers]:
+            logger.removeHandler(handler)

@@ -461,23 +461,29 @@ def test_ctrl_c_during_training_checkpoints_and_exits_interrupted(tmp_path):
     assert [r["step"] for r in rows(run_dir)] == list(range(401))
 
 
+def signal_at_second_evaluation(monkeypatch, signum: int) -> None:
+    """The training loop's second evaluation (that of step 5) first sends this process `signum`."""
+    import normlab.train.loop as loop
+
+    evaluate, calls = loop.evaluate, []
+
+    def signalled_evaluate(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signum)
+        return evaluate(*args)
+
+    monkeypatch.setattr(loop, "evaluate", signalled_evaluate)
+
+
 def test_ctrl_c_says_so_once_after_the_progress_bar_closed(tmp_path, monkeypatch, capsys):
     import gc
 
-    import normlab.train.loop as loop
     import normlab.train.run as run
     from normlab.train.callbacks.progress import ProgressBar
 
     monkeypatch.setattr(run, "progress", ProgressBar)  # the bar a terminal gets
-    evaluate, calls = loop.evaluate, []
-
-    def interrupted_evaluate(*args):
-        calls.append(1)
-        if len(calls) == 2:  # the evaluation of step 5
-            os.kill(os.getpid(), signal.SIGINT)
-        return evaluate(*args)
-
-    monkeypatch.setattr(loop, "evaluate", interrupted_evaluate)
+    signal_at_second_evaluation(monkeypatch, signal.SIGINT)
     with pytest.raises(SystemExit) as stopped:
         normlab_here("train", *RUN, "progress=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
                      monkeypatch=monkeypatch, capsys=capsys)
@@ -560,16 +566,8 @@ def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_pat
 def test_a_signal_during_an_evaluation_stops_before_the_next_step_and_resumes_exactly(tmp_path, monkeypatch):
     import normlab.train.loop as loop
 
-    whole = train(_disk_cfg(), tmp_path / "whole")
-    evaluate, calls = loop.evaluate, []
-
-    def signalled_evaluate(*args):
-        calls.append(1)
-        if len(calls) == 2:  # the evaluation of step 5
-            os.kill(os.getpid(), signal.SIGTERM)
-        return evaluate(*args)
-
-    monkeypatch.setattr(loop, "evaluate", signalled_evaluate)
+    whole, evaluate = train(_disk_cfg(), tmp_path / "whole"), loop.evaluate
+    signal_at_second_evaluation(monkeypatch, signal.SIGTERM)
     with preempt.watch(), pytest.raises(preempt.Preempted) as stopped:
         train(_disk_cfg(), tmp_path / "cut")
     assert stopped.value.step == 5 and [s for s, _ in list_checkpoints(tmp_path / "cut")] == [3, 5]

@@ -129,6 +129,16 @@ def test_kurtosis_is_he_et_al_s_over_the_features_rms():
     assert feature_kurtosis(feature_square_sums(outlier).tolist()) == pytest.approx((1e4 + 3) / 4 / (103 / 4) ** 2)
 
 
+@pytest.mark.parametrize("d", [1, 2, 7, 8, 33])
+def test_lower_median_is_torchs_median_read_off_a_sort(d):
+    from normlab.train.probe_stats import lower_median
+
+    torch.manual_seed(d)
+    a = torch.randn(5, d).abs()
+    a[0] = a[0, 0]  # a row of ties
+    torch.testing.assert_close(lower_median(a), a.median(-1).values, rtol=0, atol=0)
+
+
 def test_max_median_per_token_with_the_lower_median():
     y = torch.tensor([[[1.0, -2.0, 3.0, -8.0], [0.5, 0.5, -4.0, 1.0]]])  # |y| sorted: 1,2,3,8 and 0.5,0.5,1,4
     assert max_median_sum(y).item() == pytest.approx(8 / 2 + 4 / 0.5)

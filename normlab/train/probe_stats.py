@@ -77,11 +77,19 @@ def feature_kurtosis(square_sums: list[float]) -> float:
     return m4 / (m2 * m2) if m2 > 0 else math.nan
 
 
+def lower_median(a: torch.Tensor) -> torch.Tensor:
+    """The median over the last dimension as torch.median takes it (for an even count the lower of the two middle
+    values), read off a sort: torch.median's CUDA kernel also returns indices and has no deterministic
+    implementation, so under deterministic=true it raises; sorted values are the same in any mode. Where a row
+    holds a NaN the caller's amax is NaN, so the ratio is NaN as it is with torch.median."""
+    return a.sort(-1).values[..., (a.size(-1) - 1) // 2]
+
+
 def max_median_ratios(y: torch.Tensor) -> torch.Tensor:
     """Each token's max_j |y_tj| / median_j |y_tj|, for `y` (..., d): a vector with one entry per token. The
     median is torch's: for an even d the lower of the two middle values (as in He et al.'s code)."""
     a = y.detach().float().abs().reshape(-1, y.size(-1))
-    return a.amax(-1) / a.median(-1).values
+    return a.amax(-1) / lower_median(a)
 
 
 def max_median_sum(y: torch.Tensor) -> torch.Tensor:
@@ -94,7 +102,7 @@ def top_median_sum(y: torch.Tensor) -> torch.Tensor:
     each sequence, the largest |y| over its tokens and features / the median |y| over the same T·d values
     (torch's lower median)."""
     a = y.detach().float().abs().reshape(y.size(0), -1)
-    return (a.amax(-1) / a.median(-1).values).sum()
+    return (a.amax(-1) / lower_median(a)).sum()
 
 
 # Logits are reduced in chunks of at most this many elements, so that log Z adds little to a telemetry

@@ -160,6 +160,42 @@ def test_nan_in_one_member_never_reaches_another():
     assert torch.isfinite(norms[[0, 2]]).all()
 
 
+def test_a_packed_forward_on_cuda_takes_the_math_attention_kernel_alone():
+    from normlab.nn.packed import attention_kernels
+
+    cuda = torch.backends.cuda
+    before = cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()
+    with attention_kernels(torch.device("cuda")):
+        assert (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()) == (False, False, True)
+        assert not cuda.cudnn_sdp_enabled()
+    with attention_kernels(torch.device("cpu")):
+        assert (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()) == before
+    assert (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()) == before
+
+
+def test_the_math_attention_kernel_under_vmap_gives_each_members_loss_and_gradient(monkeypatch):
+    """The path a pack takes on CUDA (torch's math kernel, batched by vmap), run here on the CPU: each member's
+    loss and gradients equal its model's alone."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import normlab.nn.packed as packed
+
+    monkeypatch.setattr(packed, "attention_kernels", lambda device: sdpa_kernel([SDPBackend.MATH]))
+    cfg = tiny_config("layer", "pre")
+    cfg.model = replace(cfg.model, vocab_size=256)
+    torch.manual_seed(0)
+    members = [GPT(cfg), GPT(cfg)]
+    pack = PackedModel(members)
+    x, y = torch.randint(0, 256, (2, 3, 16)), torch.randint(0, 256, (2, 3, 16))
+    losses = pack.losses(_loss, x, y)
+    losses.sum().backward()
+    for m, model in enumerate(members):
+        alone = _loss(model(x[m]), y[m])
+        alone.backward()
+        torch.testing.assert_close(losses[m], alone, rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(pack.params[name].grad[m], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def _loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 

@@ -18,17 +18,28 @@ The module knows nothing of Hydra, sinks or the training loop.
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from normlab.nn.norms import StepStatistics
 
 # On the CPU torch has no batching rule for its flash-attention kernel, so vmap runs attention member by
 # member (correct, a little slower) and warns once per process; on CUDA the rules exist.
 warnings.filterwarnings("ignore", message=r".*not yet implemented the batching rule for aten::_scaled_dot_product")
+
+
+def attention_kernels(device: torch.device):
+    """The attention kernels a packed forward may use on `device`. On CUDA, torch's own math kernel alone: under
+    vmap the fused kernels' backward fails ("LSE is not correctly aligned (strideH)", measured on an H200 with
+    torch 2.11 in fp32 and bf16; a known limit of the memory-efficient kernel's backward under vmap), while the
+    math kernel is plain matmuls and a softmax, which vmap batches. It holds the T×T scores of every member at
+    once (M·B·n_head·T² values). On the CPU the choice is torch's, as in an unpacked run."""
+    return sdpa_kernel([SDPBackend.MATH]) if device.type == "cuda" else nullcontext()
 
 
 class PackedModel:
@@ -47,7 +58,8 @@ class PackedModel:
         self._stepper = _AdvanceStatistics(self.template)  # built once: advance runs every step
 
     def _member_logits(self, params, buffers, idx: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.template, (params, buffers), (idx,))
+        with attention_kernels(idx.device):
+            return functional_call(self.template, (params, buffers), (idx,))
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """(M, B, T, vocab) logits for token ids of shape (M, B, T): member m reads idx[m]."""

@@ -41,6 +41,28 @@ def run_sweep(normlab: list[str], overrides: list[str], sweep_dir: Path) -> tupl
     return wall, jobs
 
 
+def runs_by_name(sweep_dir: Path) -> dict[str, list[dict]]:
+    """Each job's metrics.jsonl rows, by its run name (summary.json's), under a sweep dir."""
+    out = {}
+    for summary in sweep_dir.rglob("summary.json"):
+        if "wandb" not in summary.parts:
+            name = json.loads(summary.read_text())["name"]
+            out[name] = [json.loads(line) for line in (summary.parent / "metrics.jsonl").open()]
+    return out
+
+
+def unfinished(jobs: dict[str, dict], expected: int, what: str) -> str | None:
+    """How many of a sweep's `expected` runs did not finish (diverged is an outcome, not a failure), with the
+    first one's error (by run name); None when every one finished."""
+    bad = [summary for _, summary in sorted(jobs.items()) if summary.get("status") not in ("completed", "diverged")]
+    missing = max(0, expected - len(jobs))
+    if not bad and not missing:
+        return None
+    how = sorted({str(s.get("status")) for s in bad} | ({"wrote no summary.json"} if missing else set()))
+    first = next((s["error"] for s in bad if s.get("error")), None)
+    return f"{len(bad) + missing} of {len(jobs) + missing} {what} {'/'.join(how)}" + (f": {first}" if first else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="normlab overrides (default: the issue's 8-arm medium sweep)")

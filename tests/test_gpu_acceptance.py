@@ -1,6 +1,7 @@
 """scripts/gpu_acceptance.py on the CPU (--smoke): the JSON and table it keeps, stage by stage, and what it records
-for a stage that fails, runs past its budget, or is cut off by SIGTERM. The whole smoke run takes minutes; these
-run its quickest stage (the suite's smoke subset) and stop the others early."""
+for a stage that fails, runs past its budget, or is cut off by SIGTERM, and for a sweep whose runs fail. The whole
+smoke run takes minutes; these run its quickest stage (the suite's smoke subset), stop the others early, and
+stand a fake in for the sweeps' commands."""
 
 import json
 import os
@@ -18,6 +19,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import acceptance_stages  # noqa: E402
 import gpu_acceptance  # noqa: E402
+import sweep_bench  # noqa: E402
 
 KEYS = {"name", "value", "unit", "target", "met", "reference", "command", "detail"}
 
@@ -99,6 +101,58 @@ def test_a_failing_stage_records_null_with_its_error_and_a_rerun_keeps_the_other
     assert again.figures["sweep8_wall_s"]["value"] == 1.5 and again.stages["sweep8"]["kept_from"] == "t0"
     assert again.figures["pack21_wall_s"]["detail"] == "not reached"
     assert gpu_acceptance.previous_run(tmp_path / "gpu-acceptance.json", {**header, "device": "other"}) is None
+
+
+LSE = "RuntimeError: LSE is not correctly aligned (strideH)"  # what every member of the H200's pack raised
+DONE = {"status": "completed", "final_val_loss": 2.5}
+
+
+def fake_sweeps(monkeypatch, sweeps: dict[str, dict[str, dict]]) -> None:
+    """run_sweep without running: a sweep dir's name picks its jobs' summaries (each with one metrics row), and
+    every command takes 38.65 s."""
+    def run_sweep(normlab, overrides, sweep_dir):
+        for i, (name, summary) in enumerate(sweeps[sweep_dir.name].items()):
+            (sweep_dir / str(i)).mkdir(parents=True)
+            (sweep_dir / str(i) / "summary.json").write_text(json.dumps({"name": name, **summary}))
+            (sweep_dir / str(i) / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 2.5}) + "\n")
+        return 38.65, {name: {"name": name, **summary} for name, summary in sweeps[sweep_dir.name].items()}
+
+    monkeypatch.setattr(sweep_bench, "run_sweep", run_sweep)
+
+
+def test_a_pack_whose_members_failed_reports_no_wall_time_and_compares_nothing(tmp_path, monkeypatch):
+    failed = {"status": "failed", "error": LSE}
+    fake_sweeps(monkeypatch, {"pack21": {f"m{i:02}": failed for i in range(21)}, "packed": {"a": failed, "b": failed},
+                              "unpacked": {"a": DONE, "b": DONE}})
+    ctx = acceptance_stages.Context(True, tmp_path / "result.json", tmp_path)
+    acceptance_stages.pack21(ctx)
+    got = ctx.results["pack21_wall_s"]
+    assert got["value"] is None and got["ok"] is False
+    assert got["detail"] == (f"21 of 21 members failed: {LSE}; the command took 38.65 s, not a valid figure; members a, b "
+                             f"(fp32, 4 steps) against their unpacked runs: not compared, 2 of 2 packed members failed: {LSE}")
+
+
+@pytest.mark.parametrize("other, value, detail", [
+    ({"status": "diverged"}, 38.65, "8 jobs (completed, diverged); final val losses of layer, rms run one after another "
+                                    "(jobs_per_gpu=1): largest relative difference 0.00e+00 (tolerance 0)"),
+    ({"status": "failed", "error": "RuntimeError: boom"}, None,
+     "1 of 8 jobs failed: RuntimeError: boom; the command took 38.65 s, not a valid figure; final val losses of layer, "
+     "rms run one after another (jobs_per_gpu=1): not compared, the sweep's jobs did not finish"),
+], ids=["diverged", "failed"])
+def test_a_sweep_with_a_failed_job_reports_no_wall_time_and_a_diverged_arm_is_an_outcome(tmp_path, monkeypatch, other,
+                                                                                        value, detail):
+    jobs = {"layer": DONE, "rms": DONE, **{f"arm{i}": DONE for i in range(5)}, "batch-post": other}
+    fake_sweeps(monkeypatch, {"sweep8": jobs, "sequential": {"layer": DONE, "rms": DONE}})
+    ctx = acceptance_stages.Context(True, tmp_path / "result.json", tmp_path)
+    acceptance_stages.sweep8(ctx)
+    got = ctx.results["sweep8_wall_s"]
+    assert (got["value"], got["detail"], got["ok"]) == (value, detail, value is not None)
+
+
+def test_unfinished_counts_the_runs_that_wrote_no_summary():
+    assert sweep_bench.unfinished({"a": DONE}, 1, "jobs") is None
+    assert sweep_bench.unfinished({"a": DONE}, 3, "jobs") == "2 of 3 jobs wrote no summary.json"
+    assert sweep_bench.unfinished({"a": {"status": "preempted"}}, 2, "jobs") == "2 of 2 jobs preempted/wrote no summary.json"
 
 
 def test_a_stage_gets_the_time_the_stages_before_it_left_unused():

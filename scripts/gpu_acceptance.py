@@ -257,7 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def budgets(args: argparse.Namespace) -> dict[str, float] | str:
-    """Each stage's budget (the H100's, or the smoke's, then --budget's); a string names what is wrong."""
+    """Each stage's budget (the GPU's, or the smoke's, then --budget's); a string names what is wrong."""
     out = {s.name: s.smoke_budget_s if args.smoke else s.budget_s for s in STAGES}
     for item in args.budget:
         name, _, seconds = item.partition("=")

@@ -353,7 +353,7 @@ def figures(*specs: tuple[str, str, str | None]) -> tuple[Figure, ...]:
 
 # In order of value per second, so that a cut-off run keeps most figures: the headline speed ratios first, the
 # workflow figures next, the suite (long; its failures also show in the stages before) and torchrun's CPU path last.
-# The budgets: the H200's stage times of 2026-11-26 (docs/benchmarks/gpu-acceptance.md) and 10 to 20% more; the
+# The budgets: the H200's stage times of 2026-11-26 (docs/benchmarks/gpu-h200.md) and 10 to 20% more; the
 # deterministic stage's resume and the pack's training, which crashed there at their start, are estimates. They sum
 # to 560 s, so the run and a device's start-up fit one 600 s call; the suite gets what is left (it needs more).
 STAGES = (

@@ -62,19 +62,35 @@ def main(argv: list[str] | None = None) -> int:
         return run_train(rest)
     if command == "resume":
         return _resume(rest)
-    if command == "compare":
-        from normlab.analysis.compare import main as run_compare
-
-        return run_compare(rest)
-    if command == "ls":
-        from normlab.analysis.listing import main as run_ls
-
-        return run_ls(rest)
-    if command == "sample":
-        from normlab.sample import main as run_sample
-
-        return run_sample(rest)
+    if command in READERS:
+        try:
+            return READERS[command]()(rest)
+        except KeyboardInterrupt:  # Ctrl-C: one line and 128 + SIGINT, the shell's code, not a traceback
+            print(f"normlab: {command} interrupted", file=sys.stderr)
+            return 130
     return fail(f"unknown command {command!r}: choose one of train, resume, compare, ls, sample")
+
+
+def _compare():
+    from normlab.analysis.compare import main as run_compare
+
+    return run_compare
+
+
+def _ls():
+    from normlab.analysis.listing import main as run_ls
+
+    return run_ls
+
+
+def _sample():
+    from normlab.sample import main as run_sample
+
+    return run_sample
+
+
+# The commands that only read runs, by name: each gives its main(argv) (imported when asked for).
+READERS = {"compare": _compare, "ls": _ls, "sample": _sample}
 
 
 def _resume(rest: list[str]) -> int:

@@ -1,7 +1,6 @@
 """The real `normlab` command: runs, multiruns, help, and one-line errors for bad input."""
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -9,6 +8,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,22 +36,41 @@ def normlab_here(*args, cwd, env=None) -> subprocess.CompletedProcess:
     (what `python -m normlab` calls): its exit code (a job's sys.exit too), stdout and stderr, as normlab() gives
     them, without a subprocess's seconds of start-up (torch, wandb). For the tests that are not about the process
     itself (signals, kills, concurrency). The cwd, environment, sys.argv and the loggers' handlers are put back."""
-    out, err = io.StringIO(), io.StringIO()
     loggers = {logger: list(logger.handlers) for logger in (logging.getLogger(), logging.getLogger("normlab"))}
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with tempfile.TemporaryDirectory() as captured, pytest.MonkeyPatch.context() as patch:
         patch.chdir(cwd)
         patch.setattr(sys, "argv", list(sys.argv))  # Hydra's app sets it
         for key, value in (env or {}).items():
             patch.setenv(key, value)
+        out, err = Path(captured, "stdout"), Path(captured, "stderr")
         try:
-            code = main(list(args))
+            with _written_to(out, 1, "stdout"), _written_to(err, 2, "stderr"):
+                code = main(list(args))
         except SystemExit as stopped:
             code = 0 if stopped.code is None else stopped.code
         finally:
-            for logger, handlers in loggers.items():  # Hydra's job logging, bound to `out`
+            for logger, handlers in loggers.items():  # Hydra's job logging, bound to the files below
                 for handler in [h for h in logger.handlers if h not in handlers]:
                     logger.removeHandler(handler)
-    return subprocess.CompletedProcess(["normlab", *args], code, out.getvalue(), err.getvalue())
+        return subprocess.CompletedProcess(["normlab", *args], code, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
+
+
+@contextlib.contextmanager
+def _written_to(path: Path, fd: int, stream: str):
+    """For the duration, sys.<stream> and the file descriptor `fd` (what the launcher's worker processes inherit)
+    both append to `path`, in the order they write."""
+    getattr(sys, stream).flush()
+    saved = os.dup(fd)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(target, fd)
+    try:
+        with open(target, "w", buffering=1, encoding="utf-8", errors="replace") as text, \
+                (contextlib.redirect_stdout if fd == 1 else contextlib.redirect_stderr)(text):
+            yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def run_dirs(root: Path) -> list[Path]:

@@ -56,7 +56,8 @@ def normlab(*args, cwd):
 def here(*args, cwd):
     """`normlab train ARGS` through normlab.cli.main in this process (test_cli.normlab_here), for what needs no
     process of its own: the local references (with the `one_thread` fixture, as ENV's one thread) and the
-    refusals before sbatch. A subprocess would pay the command's start-up (seconds of CPU) again."""
+    refusals before sbatch, the two-task job's submission. A subprocess would pay the command's start-up (seconds
+    of CPU) again."""
     return normlab_here("train", *args, cwd=cwd, env={"OMP_NUM_THREADS": "1"})
 
 
@@ -183,11 +184,13 @@ def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, 
 def test_one_job_of_two_tasks_trains_with_ddp_like_torchrun(cluster, tmp_path, one_thread):
     """hydra.launcher.tasks_per_node=2: SLURM starts two tasks of one job; normlab joins them into one
     process group (gloo here) from SLURM's variables, as torchrun's two processes would join."""
-    on_slurm = normlab("-m", "hydra/launcher=slurm_cpu", "hydra.launcher.tasks_per_node=2", *SHORT, "batch_size=8",
-                       f"hydra.sweep.dir={tmp_path / 'slurm'}", cwd=tmp_path)
-    one = here(*SHORT, "batch_size=8", f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)  # while SLURM runs
+    # Submitted from this process too: the job's two tasks are SLURM's processes, and nothing here waits on the
+    # submitting one (the sweep test keeps a submitting process: it counts its sacct line, said once a process).
+    on_slurm = here("-m", "hydra/launcher=slurm_cpu", "hydra.launcher.tasks_per_node=2", *SHORT, "batch_size=8",
+                    f"hydra.sweep.dir={tmp_path / 'slurm'}", cwd=tmp_path)
+    assert on_slurm.returncode == 0, on_slurm.stderr[-3000:]
+    one = here(*SHORT, "batch_size=8", f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    finish(on_slurm)
     [job] = job_dirs(tmp_path / "slurm")
     # One process group of two: rank 0 alone wrote the rows (two lone processes would write each step twice),
     # and the checkpoint records a world of 2.

@@ -1,8 +1,8 @@
 """Bad input to the real `normlab train` command: one `normlab: error:` line naming what is wrong and
 what is allowed, exit code 2, no traceback, nothing trained (issue 17, section 4).
 
-The cases go through `normlab.cli.main`, the function `python -m normlab` calls, in this process: a
-subprocess per case cost seconds of start-up each. test_the_real_command_gives_the_same_one_line runs a
+The cases go through `normlab.cli.main`, the function `python -m normlab` calls, in this process
+(test_cli.normlab_here): a subprocess per case cost seconds of start-up each. test_the_real_command_gives_the_same_one_line runs a
 few of them as the real command, exit status and all."""
 
 import importlib.util
@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from normlab.cli import main
 from normlab.config import ConfigError, RunConfig, suggest_key, unknown_key_message
 from normlab.launch import machine
 from normlab.launch.machine import MemoryEstimate, check_memory, check_output_dir, estimate_memory
+from test_cli import normlab_here
 
 
 def _installed(module: str) -> bool:
@@ -34,17 +34,6 @@ def normlab(*args, cwd):
     return subprocess.run(
         [sys.executable, "-m", "normlab", *args], cwd=cwd, capture_output=True, text=True, env=dict(os.environ), timeout=300
     )
-
-
-def normlab_here(*args, capsys) -> subprocess.CompletedProcess:
-    """`normlab ARGS` through normlab.cli.main in this process (the cwd is the caller's), as a CompletedProcess."""
-    capsys.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as exit:  # argparse's refusals exit on their own
-        code = exit.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["normlab", *args], code, out, err)
 
 
 def assert_one_line(result, *fragments):
@@ -131,10 +120,9 @@ def trained(cwd) -> list:
         (["-m", "hydra.sweep.dir=a_file", "lr=1e-3,3e-3"], ["hydra.sweep.dir=a_file", "not a directory"]),
     ],
 )
-def test_bad_input_gives_one_line_and_trains_nothing(tmp_path, monkeypatch, capsys, overrides, fragments):
+def test_bad_input_gives_one_line_and_trains_nothing(tmp_path, overrides, fragments):
     (tmp_path / "a_file").write_text("not a dir")
-    monkeypatch.chdir(tmp_path)
-    result = normlab_here("train", *overrides, *TINY, capsys=capsys)
+    result = normlab_here("train", *overrides, *TINY, cwd=tmp_path)
     assert_one_line(result, *fragments)
     assert not trained(tmp_path)
 
@@ -148,10 +136,9 @@ def test_bad_input_gives_one_line_and_trains_nothing(tmp_path, monkeypatch, caps
         (["lr=-1"], ["lr=-1: must be a positive number"]),  # in every job: no job to name
     ],
 )
-def test_a_sweeps_bad_value_names_its_job_and_nothing_is_written(tmp_path, monkeypatch, capsys, overrides, fragments):
+def test_a_sweeps_bad_value_names_its_job_and_nothing_is_written(tmp_path, overrides, fragments):
     """Jobs are numbered from 0 as the sweep's job dirs and lines are, and named by the overrides that tell them apart."""
-    monkeypatch.chdir(tmp_path)
-    line = assert_one_line(normlab_here("train", "-m", *overrides, *TINY, capsys=capsys), *fragments)
+    line = assert_one_line(normlab_here("train", "-m", *overrides, *TINY, cwd=tmp_path), *fragments)
     assert ("(in the sweep's job" in line) == (len(overrides) > 1 or "," in overrides[0])
     assert list(tmp_path.iterdir()) == []
 
@@ -172,13 +159,13 @@ def test_the_real_command_gives_the_same_one_line(tmp_path, overrides, fragments
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_cuda_is_one_line(tmp_path):
-    assert_one_line(normlab("train", "device=cuda", *TINY, cwd=tmp_path), "device=cuda", "no CUDA device", "device=cpu")
+    assert_one_line(normlab_here("train", "device=cuda", *TINY, cwd=tmp_path), "device=cuda", "no CUDA device", "device=cpu")
 
 
 def test_a_huge_model_is_refused_before_it_allocates(tmp_path):
     start = time.monotonic()
-    line = assert_one_line(normlab("train", "depth=1000000", cwd=tmp_path), "needs about")
-    # Allocating it took a minute and ended in a 200-line MemoryError; refusing it is start-up only.
+    line = assert_one_line(normlab_here("train", "depth=1000000", cwd=tmp_path), "needs about")
+    # Allocating it took a minute and ended in a 200-line MemoryError; refusing it takes the checks' time only.
     assert time.monotonic() - start < 60, line
 
 
@@ -210,10 +197,9 @@ def test_a_packs_members_need_their_memory_together(monkeypatch):
         check_memory(cfgs, "cpu", units=[[0, 1, 2]])
 
 
-def test_a_packed_sweep_that_cannot_fit_is_refused_before_any_job(tmp_path, monkeypatch, capsys):
+def test_a_packed_sweep_that_cannot_fit_is_refused_before_any_job(tmp_path, monkeypatch):
     fixed_memory(monkeypatch, each_mib=500, available_mib=1200)
-    monkeypatch.chdir(tmp_path)
-    line = assert_one_line(normlab_here("train", "-m", "lr=1e-3,3e-3,1e-2", "pack=true", *TINY, capsys=capsys),
+    line = assert_one_line(normlab_here("train", "-m", "lr=1e-3,3e-3,1e-2", "pack=true", *TINY, cwd=tmp_path),
                            "pack=true: the pack of 3 runs", "pack=false")
     assert "needs about 1.5 GiB" in line
     assert not trained(tmp_path) and not (tmp_path / "multirun").exists()

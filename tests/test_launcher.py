@@ -9,7 +9,7 @@ import pytest
 
 import normlab.launch.launcher as launcher
 from normlab.launch.launcher import plan_slots, threads_per_job, visible_gpus
-from test_cli import TINY, normlab, run_dirs
+from test_cli import TINY, normlab_here, run_dirs
 
 
 def test_slots_are_dealt_round_robin_over_the_gpus():
@@ -66,12 +66,13 @@ def _losses(root):
 
 def test_two_jobs_at_once_on_the_cpu_equal_the_sequential_sweep(tmp_path):
     sweep = ["train", "-m", "norm=layer,rms", *TINY, "max_steps=3", "log_every=1"]
+    # Both through normlab.cli.main in this process: the concurrent jobs run in the launcher's worker processes.
     # The reference needs no wandb run (about two seconds a job); the concurrent jobs keep theirs.
-    sequential = normlab(*sweep, "hydra.sweep.dir=seq", "wandb.mode=disabled", cwd=tmp_path)
+    sequential = normlab_here(*sweep, "hydra.sweep.dir=seq", "wandb.mode=disabled", cwd=tmp_path)
     assert sequential.returncode == 0, sequential.stderr[-3000:]
     # CUDA_VISIBLE_DEVICES="": the CPU's slots (cpu_jobs), also on a machine with a GPU.
-    concurrent = normlab(*sweep, "hydra.sweep.dir=conc", "hydra.launcher.cpu_jobs=2", cwd=tmp_path,
-                         env={"CUDA_VISIBLE_DEVICES": ""})
+    concurrent = normlab_here(*sweep, "hydra.sweep.dir=conc", "hydra.launcher.cpu_jobs=2", cwd=tmp_path,
+                              env={"CUDA_VISIBLE_DEVICES": ""})
     assert concurrent.returncode == 0, concurrent.stderr[-3000:]
     assert "2 at once on the CPU" in concurrent.stdout + concurrent.stderr
     seq, conc = _losses(tmp_path / "seq"), _losses(tmp_path / "conc")

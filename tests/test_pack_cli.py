@@ -16,7 +16,7 @@ import pytest
 from conftest import tiny_config
 from normlab.cli import main
 from normlab.config.packing import pack_groups
-from test_cli import normlab, run_dirs
+from test_cli import normlab_here, run_dirs
 
 TINY = ["model=tiny", "max_steps=4", "eval_every=2", "eval_batches=1", "batch_size=4", "seq_len=16", "log_every=1",
         "telemetry.every=0", "device=cpu"]
@@ -49,12 +49,14 @@ def _assert_same_rows(packed, unpacked):
 
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory):
-    """The same lr × seed sweep of model=tiny, unpacked and with pack=true, in one cwd."""
+    """The same lr × seed sweep of model=tiny, unpacked and with pack=true, in one cwd, through the command in
+    this process. The unpacked sweep, the reference, needs no wandb runs (about two seconds a job)."""
     cwd = tmp_path_factory.mktemp("pack-sweeps")
     env = {"NORMLAB_CACHE": os.environ.get("NORMLAB_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))}
-    unpacked = normlab("train", "-m", *TINY, *LR_SEED, "hydra.sweep.dir=unpacked", cwd=cwd, env=env)
+    unpacked = normlab_here("train", "-m", *TINY, *LR_SEED, "wandb.mode=disabled", "hydra.sweep.dir=unpacked", cwd=cwd,
+                            env=env)
     assert unpacked.returncode == 0, unpacked.stderr[-3000:]
-    packed = normlab("train", "-m", *TINY, *LR_SEED, "pack=true", "hydra.sweep.dir=packed", cwd=cwd, env=env)
+    packed = normlab_here("train", "-m", *TINY, *LR_SEED, "pack=true", "hydra.sweep.dir=packed", cwd=cwd, env=env)
     assert packed.returncode == 0, packed.stderr[-3000:]
     return cwd, env, packed
 
@@ -92,7 +94,7 @@ def test_the_packed_sweep_reports_every_job_and_compares_as_an_unpacked_one(swee
     assert "next: normlab compare packed" in table
     reports = {}
     for sweep in ("packed", "unpacked"):
-        done = normlab("compare", sweep, cwd=cwd, env=env)
+        done = normlab_here("compare", sweep, cwd=cwd, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         reports[sweep] = (cwd / sweep / "report" / "report.md").read_text()
     assert "4 runs in 1 arm" in reports["packed"] and "4 runs in 1 arm" in reports["unpacked"]
@@ -104,7 +106,7 @@ def test_a_rerun_packed_sweep_trains_nothing_again(sweeps, tmp_path):
     cwd, env, _ = sweeps
     shutil.copytree(cwd / "packed", tmp_path / "again", ignore=shutil.ignore_patterns("report"))
     before = {name: sorted((d / "wandb").glob("offline-run-*")) for name, d in _runs(tmp_path / "again").items()}
-    again = normlab("train", "-m", *TINY, *LR_SEED, "pack=true", "hydra.sweep.dir=again", cwd=tmp_path, env=env)
+    again = normlab_here("train", "-m", *TINY, *LR_SEED, "pack=true", "hydra.sweep.dir=again", cwd=tmp_path, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("already completed") == 4
     assert "trains as one packed model" not in again.stdout + again.stderr
@@ -114,9 +116,11 @@ def test_a_rerun_packed_sweep_trains_nothing_again(sweeps, tmp_path):
 
 def test_jobs_that_differ_in_the_norm_form_separate_packs_in_their_worker_slots(sweeps, tmp_path):
     cwd, env, _ = sweeps
-    # CUDA_VISIBLE_DEVICES="": the CPU's slots (cpu_jobs), as on a machine without a GPU.
-    result = normlab("train", "-m", *TINY, "norm=layer,rms", "lr=1e-3,3e-3", "pack=true", "hydra.launcher.cpu_jobs=2",
-                     "hydra.sweep.dir=sweep", cwd=tmp_path, env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    # CUDA_VISIBLE_DEVICES="": the CPU's slots (cpu_jobs), as on a machine without a GPU. No wandb runs: a worker
+    # would import wandb for them (seconds); a sweep's wandb runs in workers are test_launcher's, a pack's the fixture's.
+    result = normlab_here("train", "-m", *TINY, "norm=layer,rms", "lr=1e-3,3e-3", "pack=true", "wandb.mode=disabled",
+                          "hydra.launcher.cpu_jobs=2", "hydra.sweep.dir=sweep", cwd=tmp_path,
+                          env={**env, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Launching 4 jobs (2 packs among them), 2 at once on the CPU" in result.stdout + result.stderr
     runs = _runs(tmp_path / "sweep")
@@ -135,8 +139,8 @@ def test_jobs_that_differ_in_the_norm_form_separate_packs_in_their_worker_slots(
 
 def test_a_failing_pack_fails_each_of_its_jobs_and_the_sweep_goes_on(tmp_path):
     (tmp_path / "small.txt").write_text("too small")
-    result = normlab("train", "-m", *TINY, "lr=1e-3,3e-3", "pack=true", "data=text", f"data.files=[{tmp_path / 'small.txt'}]",
-                     "hydra.sweep.dir=sweep", cwd=tmp_path)
+    result = normlab_here("train", "-m", *TINY, "lr=1e-3,3e-3", "pack=true", "data=text",
+                          f"data.files=[{tmp_path / 'small.txt'}]", "hydra.sweep.dir=sweep", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = _runs(tmp_path / "sweep")
     assert len(runs) == 2
@@ -166,7 +170,7 @@ def test_a_preempted_pack_resumes_when_its_sweep_runs_again(tmp_path):
     runs = _runs(tmp_path / "sweep")
     [step] = {_summary(d)["preempted_step"] for d in runs.values()}
     assert all(_summary(d)["status"] == "preempted" for d in runs.values())
-    again = normlab(*sweep, cwd=tmp_path)
+    again = normlab_here(*sweep, cwd=tmp_path)  # the rerun is no process's signal: in this process
     assert again.returncode == 0, again.stderr[-3000:]
     for run_dir in runs.values():
         summary = _summary(run_dir)

@@ -21,6 +21,7 @@ import torch
 from normlab.train.checkpoint import list_checkpoints
 from normlab.launch import slurm
 from normlab.launch.slurm import refusal_message, refusal_reason
+from test_cli import normlab_here
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "slurm_cluster.sh"
@@ -50,6 +51,14 @@ def cluster():
 def normlab(*args, cwd):
     return subprocess.Popen([sys.executable, "-m", "normlab", "train", *args], cwd=cwd, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def here(*args, cwd):
+    """`normlab train ARGS` through normlab.cli.main in this process (test_cli.normlab_here), for what needs no
+    process of its own: the local references (with the `one_thread` fixture, as ENV's one thread) and the
+    refusals before sbatch, the two-task job's submission. A subprocess would pay the command's start-up (seconds
+    of CPU) again."""
+    return normlab_here("train", *args, cwd=cwd, env={"OMP_NUM_THREADS": "1"})
 
 
 def finish(proc, timeout=300):
@@ -93,12 +102,12 @@ def release_held_jobs():
 
 
 @pytest.mark.slurm
-def test_sweep_on_slurm_equals_the_local_sweep(cluster, tmp_path):
+def test_sweep_on_slurm_equals_the_local_sweep(cluster, tmp_path, one_thread):
     on_slurm = normlab("-m", "hydra/launcher=slurm_cpu", *SHORT, "lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 'slurm'}",
                        cwd=tmp_path)
-    local = normlab("-m", *SHORT, "lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 'local'}", cwd=tmp_path)
+    local = here("-m", *SHORT, "lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 'local'}", cwd=tmp_path)  # while SLURM runs
+    assert local.returncode == 0, local.stderr[-3000:]
     err = finish(on_slurm)
-    finish(local)
     # Accounting is off on this cluster: no sacct noise, one line saying so.
     assert "sacct" not in err and "accounting storage" not in err
     assert err.count("SLURM accounting is disabled") == 1
@@ -120,11 +129,9 @@ def test_sweep_on_slurm_equals_the_local_sweep(cluster, tmp_path):
 ])
 def test_a_preset_the_cluster_refuses_is_one_line_and_nothing_is_queued(cluster, tmp_path, launcher, reason, key):
     before = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True).stdout.split()
-    proc = normlab("-m", *launcher, *SHORT, "lr=1e-3,3e-3",
-                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2
-    [line] = err.strip().splitlines()
+    refused = here("-m", *launcher, *SHORT, "lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert refused.returncode == 2
+    [line] = refused.stderr.strip().splitlines()
     assert line.startswith("normlab: error: SLURM refused the job: ") and reason in line and key in line
     assert not (tmp_path / "sweep").exists()
     after = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True).stdout.split()
@@ -132,7 +139,7 @@ def test_a_preset_the_cluster_refuses_is_one_line_and_nothing_is_queued(cluster,
 
 
 @pytest.mark.slurm
-def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, tmp_path):
+def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, tmp_path, one_thread):
     """Job 0 gets submitit's preemption signal (USR2, what SLURM sends `signal_delay_s` before the time
     limit) through the scheduler, checkpoints, is requeued by submitit and resumes in its dir, to the
     uninterrupted run's result. Job 1's corpus file is missing: it fails with normlab's one line, alone."""
@@ -141,7 +148,6 @@ def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, 
     corpus.write_text("".join(p.read_text() for p in sorted(Path(os.__file__).parent.glob("[a-c]*.py"))))
     on_slurm = normlab("-m", "hydra/launcher=slurm_cpu", *LONG, "data=text", f"data.files=[{corpus}],[/nonexistent/corpus.txt]",
                        f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    whole = normlab(*LONG, "data=text", f"data.files=[{corpus}]", f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
     job = sweep / "0_layer-pre-d2-lr3e-3-s0"
     deadline = time.monotonic() + 240
     while not ((job / "metrics.jsonl").exists() and len(rows(job)) >= 3):
@@ -149,12 +155,15 @@ def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, 
         time.sleep(0.05)
     [array] = {p.name.split("_")[0] for p in (sweep / ".submitit").glob("*_0")}
     subprocess.run(["scancel", "--signal=USR2", f"{array}_0"], check=True)
+    # The uninterrupted run, in this process while SLURM checkpoints and requeues the job (not before the
+    # signal: the job could end first).
+    whole = here(*LONG, "data=text", f"data.files=[{corpus}]", f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
     while on_slurm.poll() is None:
         assert time.monotonic() < deadline + 120, "the sweep did not end"
         release_held_jobs()
         time.sleep(0.5)
     err = finish(on_slurm)
-    finish(whole)
 
     logs = job_logs(sweep, 0)
     assert "Requeued job" in logs and "stopped by SIGUSR2 after the checkpoint of step" in logs
@@ -172,14 +181,16 @@ def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, 
 
 
 @pytest.mark.slurm
-def test_one_job_of_two_tasks_trains_with_ddp_like_torchrun(cluster, tmp_path):
+def test_one_job_of_two_tasks_trains_with_ddp_like_torchrun(cluster, tmp_path, one_thread):
     """hydra.launcher.tasks_per_node=2: SLURM starts two tasks of one job; normlab joins them into one
     process group (gloo here) from SLURM's variables, as torchrun's two processes would join."""
-    on_slurm = normlab("-m", "hydra/launcher=slurm_cpu", "hydra.launcher.tasks_per_node=2", *SHORT, "batch_size=8",
-                       f"hydra.sweep.dir={tmp_path / 'slurm'}", cwd=tmp_path)
-    one = normlab(*SHORT, "batch_size=8", f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
-    finish(on_slurm)
-    finish(one)
+    # Submitted from this process too: the job's two tasks are SLURM's processes, and nothing here waits on the
+    # submitting one (the sweep test keeps a submitting process: it counts its sacct line, said once a process).
+    on_slurm = here("-m", "hydra/launcher=slurm_cpu", "hydra.launcher.tasks_per_node=2", *SHORT, "batch_size=8",
+                    f"hydra.sweep.dir={tmp_path / 'slurm'}", cwd=tmp_path)
+    assert on_slurm.returncode == 0, on_slurm.stderr[-3000:]
+    one = here(*SHORT, "batch_size=8", f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
     [job] = job_dirs(tmp_path / "slurm")
     # One process group of two: rank 0 alone wrote the rows (two lone processes would write each step twice),
     # and the checkpoint records a world of 2.

@@ -1,13 +1,13 @@
 """Hydra's sweep grammar through the real `normlab train -m`: glob, range, Optuna's interval, presets
-without '+', and a bad value inside a sweep refused before any job trains (through normlab.cli.main in this
-process, what `python -m normlab` calls: a refusal needs no process of its own)."""
+without '+', and a bad value inside a sweep refused before any job trains. All through normlab.cli.main in this
+process, what `python -m normlab` calls: the grammar needs no process of its own."""
 
 import json
 
 import pytest
 
 from normlab.cli import main
-from test_cli import TINY, normlab, run_dirs
+from test_cli import TINY, normlab_here, run_dirs
 
 
 # What these sweeps check is Hydra's grammar, not wandb: a wandb run costs each job about two seconds.
@@ -19,7 +19,7 @@ def _runs(root):
 
 
 def test_glob_with_exclude_and_range_sweep(tmp_path):
-    result = normlab(
+    result = normlab_here(
         "train", "-m", "norm=glob(*,exclude=[batch*,none,layer*,l2,d*,scale,rms_noweight])", "seed=range(1,3)",
         *SWEEP, cwd=tmp_path,
     )
@@ -29,7 +29,7 @@ def test_glob_with_exclude_and_range_sweep(tmp_path):
 
 def test_optuna_interval_sweep_with_two_trials(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    result = normlab(
+    result = normlab_here(
         "train", "-m", "hydra/sweeper=lr_search", "lr=tag(log,interval(1e-4,1e-1))", "hydra.sweeper.n_trials=2",
         *SWEEP, cwd=tmp_path,
     )
@@ -50,7 +50,7 @@ def _preset(tmp_path, sweep: str) -> None:
 
 def test_experiment_preset_without_plus(tmp_path):
     _preset(tmp_path, "      norm: layer,rms\n")
-    result = normlab("train", "-m", "--config-dir", "conf", "experiment=pair", *SWEEP, cwd=tmp_path)
+    result = normlab_here("train", "-m", "--config-dir", "conf", "experiment=pair", *SWEEP, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert _runs(tmp_path / "outputs") == ["layer-pre-d2-lr1e-3-s0", "rms-pre-d2-lr1e-3-s0"]
 

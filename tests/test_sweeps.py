@@ -1,4 +1,7 @@
-"""Sweeps always finish: divergence is an outcome, a failed job is recorded, fail_fast stops the sweep."""
+"""Sweeps always finish: divergence is an outcome, a failed job is recorded, fail_fast stops the sweep.
+
+The sweeps run through normlab.cli.main in this process (test_cli.normlab_here), what `python -m normlab` calls:
+what is tested is the sweep's bookkeeping, not the process."""
 
 import json
 import math
@@ -8,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from test_cli import TINY, normlab, run_dirs
+from test_cli import TINY, normlab_here, run_dirs
 from normlab.train.run import train
 
 # device=cuda is the failing job: it fails only where torch sees no CUDA.
@@ -27,7 +30,7 @@ def _wandb_exit_code(run_dir):
 
 
 def test_a_diverging_job_is_recorded_and_the_sweep_exits_0(tmp_path):
-    result = normlab(
+    result = normlab_here(
         "train", "-m", "norm=none", "lr=1e-3,3e-3,1e5", "optim.warmup_steps=0", "optim.grad_clip=0",
         *TINY, "max_steps=6", "log_every=2", cwd=tmp_path,
     )
@@ -61,7 +64,7 @@ def test_a_diverging_job_is_recorded_and_the_sweep_exits_0(tmp_path):
 @no_cuda
 def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     # device=cuda on a machine without CUDA raises inside the job, after the run dir and wandb run exist.
-    result = normlab("train", "-m", *FAILING_SWEEP, cwd=tmp_path)
+    result = normlab_here("train", "-m", *FAILING_SWEEP, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(run_dirs(tmp_path / "outputs"))
     assert len(runs) == 2
@@ -77,7 +80,7 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 @no_cuda
 def test_fail_fast_stops_the_sweep(tmp_path):
-    result = normlab("train", "-m", *FAILING_SWEEP, "fail_fast=true", cwd=tmp_path)
+    result = normlab_here("train", "-m", *FAILING_SWEEP, "fail_fast=true", cwd=tmp_path)
     assert result.returncode != 0
     [only] = run_dirs(tmp_path / "outputs")
     assert json.loads((only / "summary.json").read_text())["status"] == "failed"

@@ -3,7 +3,7 @@ not about process behaviour (signals, exit codes of the real process, concurrenc
 would import torch, Hydra and matplotlib again, 5 to 10 s of CPU each, which this process has paid already.
 
 - `Commands.run(argv, cwd, env)`: one command, with its output and exit code, as a CompletedProcess;
-- `Commands.intercept()`: a script's `subprocess.run` of a normlab command runs it here (other commands run as ever);
+- `Commands.intercept()`: a script's `subprocess.run` of a normlab command (or a Python script) runs it here;
 - `Commands.bash(script, *args, cwd, env)`: a bash script, run by bash, whose `normlab` and `python` commands are
   shims (first on its PATH) that hand each command to this process and wait for its output and exit code.
 """
@@ -49,6 +49,11 @@ def _normlab_args(argv: list[str]) -> list[str] | None:
     if Path(argv[0]).name.startswith("python") and argv[1:3] == ["-m", "normlab"]:
         return argv[3:]
     return None
+
+
+def _python_script(argv: list[str]) -> bool:
+    """Whether `argv` is `python SCRIPT.py ...`."""
+    return Path(argv[0]).name.startswith("python") and len(argv) > 1 and argv[1].endswith(".py")
 
 
 def _as_run_returns(done: subprocess.CompletedProcess, kwargs: dict) -> subprocess.CompletedProcess:
@@ -104,7 +109,7 @@ class Commands:
             if args is not None:
                 sys.argv = ["normlab", *args]
                 return cli.main(args) or 0
-            if not (Path(argv[0]).name.startswith("python") and argv[1].endswith(".py")):
+            if not _python_script(argv):
                 raise ValueError(f"not a normlab command or a Python script: {argv}")
             sys.argv = argv[1:]
             sys.path.insert(0, str(Path(argv[1]).resolve().parent))
@@ -116,12 +121,13 @@ class Commands:
             traceback.print_exc()
             return 1
 
-    def intercept(self) -> None:
-        """From now on in this test, subprocess.run of a normlab command runs it here (through `run`)."""
+    def intercept(self, scripts: bool = False) -> None:
+        """From now on in this test, subprocess.run of a normlab command (with `scripts`, of `python SCRIPT.py`
+        too) runs it here (through `run`); any other command runs as ever."""
 
         def run(args, **kwargs):
             argv = None if isinstance(args, (str, bytes, os.PathLike)) else [str(a) for a in args]
-            if argv is None or _normlab_args(argv) is None:
+            if argv is None or not (_normlab_args(argv) is not None or scripts and _python_script(argv)):
                 return self.real_run(args, **kwargs)
             return _as_run_returns(self.run(argv, kwargs.get("cwd") or os.getcwd(), kwargs.get("env")), kwargs)
 

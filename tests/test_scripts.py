@@ -1,7 +1,8 @@
 """Smoke tests of scripts/: each benchmark or measurement script runs one tiny round end to end, as __main__ in
 this process, and the normlab commands it starts run here too (tests/inprocess.py: each process would import
-torch, Hydra and matplotlib again, 5 to 10 s of CPU). The exceptions run as real commands: startup.py times
-processes, and bench.py's variants each run in a fresh process of their own.
+torch, Hydra and matplotlib again, 5 to 10 s of CPU), bench.py's variants too (a fresh process each, when
+measuring: their figures are not asserted here). The exception: startup.py, which times processes, runs its
+commands as real processes.
 
 The scripts rebuild parts of the training loop (bench.py's window clock and reference loop, the
 checkpoint components, the sweep's summaries), so a change to normlab that breaks them should fail
@@ -69,7 +70,8 @@ def row(out: str, label: str, columns: int) -> list[float]:
     return numbers[:columns]
 
 
-def test_bench_compares_normlab_with_the_reference_loop(tmp_path, script_here):
+def test_bench_compares_normlab_with_the_reference_loop(tmp_path, commands, script_here):
+    commands.intercept(scripts=True)  # its variants (`python bench.py --worker SPEC`, a process each) run here too
     out = script_here("bench.py", *TINY, "log_every=2", "--rounds", "1", "--windows", "1", "--threads", "1",
                  "--peak-size", "64", "--only", "ref fp32,normlab fp32", cwd=tmp_path)
     assert "model: 2 blocks, width 32, 2 heads, seq 16, batch 4" in out  # the overrides reached the config

@@ -187,6 +187,8 @@ def run_stage(stage: Stage, budget: float, smoke: bool, log, scratch: Path, sign
     proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, process_group=0)
     try:
         signals.waiting = True
+        if signals.received:  # it came while the stage was starting (the main loop checks before each stage)
+            raise CutOff(signal.Signals(signals.received).name)
         code = proc.wait(timeout=budget)
         signals.waiting = False
         status, why = ("ok", None) if code == 0 else ("failed", f"failed (exit code {code})")

@@ -1,6 +1,8 @@
 """compile=true: compiled training steps, eager telemetry steps, checkpoints that load into eager models.
 
-One test only: a cold torch.compile takes tens of seconds on this CPU (a few with inductor's cache warm).
+A cold torch.compile takes tens of seconds on this CPU (a few with Inductor's on-disk cache warm). Both tests
+compile the same model with the same Inductor settings (off CUDA, reduce-overhead compiles as the default
+mode does) and run in one xdist worker, in this order: the second finds the first's compile in the cache.
 """
 
 import json
@@ -13,6 +15,8 @@ from normlab.train.checkpoint import Checkpoint, checkpoint_path
 from normlab.config import CkptConfig, TelemetryConfig
 from normlab.nn.model import GPT
 from normlab.train.run import train
+
+pytestmark = pytest.mark.xdist_group("torch_compile")  # one worker: the second test reuses the first's compile
 
 
 def _run(tmp_path, name, **overrides):
@@ -73,3 +77,19 @@ def test_cuda_graph_mode_trains_resumes_and_keeps_telemetry_on_any_device(tmp_pa
     resumed = train(cut, tmp_path / "resumed")
     assert resumed["resumed_from_step"] == 2
     assert resumed["final_val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-5)
+
+
+def test_reduce_overhead_compiles_with_the_default_modes_inductor_settings_off_cuda(monkeypatch):
+    """Off CUDA, compile_mode=reduce-overhead has no graphs to capture: torch.compile gets the default mode, so
+    Inductor's on-disk cache holds one compile for both modes. The graph-step wrapper stays."""
+    from normlab.train import runtime
+
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda net, mode=None: modes.append(mode) or net)
+    net = torch.nn.Linear(2, 2)
+    graphed = runtime.compile_model(net, "reduce-overhead", torch.device("cpu"))
+    assert graphed is not net and graphed(torch.ones(1, 2)).shape == (1, 2)
+    assert runtime.compile_model(net, "default", torch.device("cpu")) is net
+    runtime.compile_model(net, "reduce-overhead", torch.device("cuda"))
+    runtime.compile_model(net, "max-autotune", torch.device("cpu"))
+    assert modes == [None, None, "reduce-overhead", "max-autotune"]

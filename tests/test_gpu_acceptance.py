@@ -193,3 +193,19 @@ def test_the_device_slug_names_the_gpu():
     assert gpu_acceptance.device_slug("NVIDIA H100 80GB HBM3") == "h100"
     assert gpu_acceptance.device_slug("NVIDIA H200") == "h200"
     assert gpu_acceptance.device_slug("Some Card") == "some-card"
+
+
+def test_a_signal_that_comes_while_a_stage_starts_cuts_it_off(tmp_path):
+    """The log names the stage before its process starts: a SIGTERM then (what the test above sends as soon as it
+    reads that line) stops the stage as one in flight, not after it ran to its end."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        signals = gpu_acceptance.Signals()
+        signals.received = signal.SIGTERM
+        stage = gpu_acceptance.BY_NAME["suite"]
+        with (tmp_path / "log").open("a") as log:
+            _, wall, status, why = gpu_acceptance.run_stage(stage, 600, True, log, tmp_path, signals)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert status == "cut off" and why.startswith("cut off by SIGTERM") and wall < 60

@@ -1,5 +1,8 @@
-"""Smoke tests of scripts/: each benchmark or measurement script runs one tiny round as a real command
-(those that start no normlab command run as __main__ in this process, which saves each a torch import).
+"""Smoke tests of scripts/: each benchmark or measurement script runs one tiny round end to end, as __main__ in
+this process, and the normlab commands it starts run here too (tests/inprocess.py: each process would import
+torch, Hydra and matplotlib again, 5 to 10 s of CPU), bench.py's variants too (a fresh process each, when
+measuring: their figures are not asserted here). The exception: startup.py, which times processes, runs its
+commands as real processes.
 
 The scripts rebuild parts of the training loop (bench.py's window clock and reference loop, the
 checkpoint components, the sweep's summaries), so a change to normlab that breaks them should fail
@@ -9,7 +12,6 @@ here. Each test asserts the script's table holds computed figures, not only that
 import json
 import os
 import re
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from inprocess import Commands
 from normlab.config import NORMS
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -40,34 +43,20 @@ def script(name: str, *args: str, cwd: Path) -> str:
 
 
 @pytest.fixture
-def script_here(monkeypatch, capsys):
+def commands(monkeypatch):
+    return Commands(monkeypatch)
+
+
+@pytest.fixture
+def script_here(commands):
     """script_here(name, *args, cwd=...): scripts/`name` run as `python scripts/name args` runs it (as __main__,
-    scripts/ first on sys.path), but in this process, for the scripts that start no normlab command: a fresh
-    Python would import torch again, about 2 s of CPU each. Torch's threads, determinism and TF32 flag and
-    the environment are restored."""
+    scripts/ first on sys.path), but in this process (tests/inprocess.py): a fresh Python would import torch
+    again, about 2 s of CPU each. A normlab command the script starts needs commands.intercept() to run here too."""
 
     def run(name: str, *args: str, cwd: Path) -> str:
-        monkeypatch.chdir(cwd)
-        monkeypatch.setattr(sys, "argv", [str(SCRIPTS / name), *args])
-        monkeypatch.syspath_prepend(str(SCRIPTS))
-        environ, threads = dict(os.environ), torch.get_num_threads()
-        deterministic, tf32 = torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32
-        os.environ["WANDB_MODE"] = "disabled"
-        capsys.readouterr()
-        try:
-            runpy.run_path(str(SCRIPTS / name), run_name="__main__")
-            code = 0
-        except SystemExit as exit:
-            code = exit.code or 0
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-            torch.set_num_threads(threads)
-            torch.use_deterministic_algorithms(deterministic)
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-        out, err = capsys.readouterr()
-        assert code == 0, f"{name} failed:\n{out[-2000:]}\n{err[-3000:]}"
-        return out
+        result = commands.run([sys.executable, SCRIPTS / name, *args], cwd, {**os.environ, "WANDB_MODE": "disabled"})
+        assert result.returncode == 0, f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        return result.stdout
 
     return run
 
@@ -81,8 +70,9 @@ def row(out: str, label: str, columns: int) -> list[float]:
     return numbers[:columns]
 
 
-def test_bench_compares_normlab_with_the_reference_loop(tmp_path):
-    out = script("bench.py", *TINY, "log_every=2", "--rounds", "1", "--windows", "1", "--threads", "1",
+def test_bench_compares_normlab_with_the_reference_loop(tmp_path, commands, script_here):
+    commands.intercept(scripts=True)  # its variants (`python bench.py --worker SPEC`, a process each) run here too
+    out = script_here("bench.py", *TINY, "log_every=2", "--rounds", "1", "--windows", "1", "--threads", "1",
                  "--peak-size", "64", "--only", "ref fp32,normlab fp32", cwd=tmp_path)
     assert "model: 2 blocks, width 32, 2 heads, seq 16, batch 4" in out  # the overrides reached the config
     assert "peak matmul (64² @ 64²" in out
@@ -154,15 +144,12 @@ def test_startup_times_help_and_a_sweep(tmp_path):
     assert "overhead per job:" in out and "marginal cost of one more job:" in out
 
 
-def test_plot_xiong2020_reads_a_real_sweep(tmp_path):
+def test_plot_xiong2020_reads_a_real_sweep(tmp_path, commands, script_here):
     sweep = tmp_path / "sweep"
-    train = subprocess.run(
-        [sys.executable, "-m", "normlab", "train", "-m", *TINY, "max_steps=2", "placement=pre,post",
-         "wandb.mode=disabled", "progress=false", f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )
+    train = commands.run(["normlab", "train", "-m", *TINY, "max_steps=2", "placement=pre,post", "wandb.mode=disabled",
+                          "progress=false", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
-    out = script("plot_xiong2020.py", "--init", str(sweep), "--runs", str(sweep), "--out", str(tmp_path / "report"),
+    out = script_here("plot_xiong2020.py", "--init", str(sweep), "--runs", str(sweep), "--out", str(tmp_path / "report"),
                  cwd=tmp_path)
     for name in ("Pre-LN", "Post-LN"):  # step 0's FFN gradient of both blocks, from the telemetry
         grads = re.search(rf"{name} \(1 seeds\): L1:{NUMBER}\s+L2:{NUMBER}", out)
@@ -173,8 +160,9 @@ def test_plot_xiong2020_reads_a_real_sweep(tmp_path):
         assert (tmp_path / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_xiong2020_fig3_tables_the_step0_ffn_gradients_of_both_placements(tmp_path):
-    out = script("xiong2020_fig3.py", "--widths", "32", "--seeds", "2", "--out", str(tmp_path / "fig3"),
+def test_xiong2020_fig3_tables_the_step0_ffn_gradients_of_both_placements(tmp_path, commands, script_here):
+    commands.intercept()  # its normlab sweep runs in this process too
+    out = script_here("xiong2020_fig3.py", "--widths", "32", "--seeds", "2", "--out", str(tmp_path / "fig3"),
                  "depth=2", "seq_len=16", "device=cpu", "batch_size=4", cwd=tmp_path)
     for name in ("Post-LN", "Pre-LN"):
         line = next(l for l in out.splitlines() if l.startswith(f"| 32 | {name} |"))
@@ -209,8 +197,9 @@ def test_bench_gpu_runs_its_reference_and_normlab_variants_on_the_cpu_when_asked
     assert "deterministic=true costs, normlab eager deterministic:" in out
 
 
-def test_sweep_bench_times_a_sweep_per_setting_and_compares_its_losses(tmp_path):
-    out = script("sweep_bench.py", "--per-gpu", "1,2", "norm=layer,rms", "model=tiny", "max_steps=2", "batch_size=4",
+def test_sweep_bench_times_a_sweep_per_setting_and_compares_its_losses(tmp_path, commands, script_here):
+    commands.intercept()  # its three normlab sweeps run in this process too
+    out = script_here("sweep_bench.py", "--per-gpu", "1,2", "norm=layer,rms", "model=tiny", "max_steps=2", "batch_size=4",
                  "seq_len=16", "eval_batches=1", "wandb.mode=disabled", "device=cpu", cwd=tmp_path)
     lines = [line for line in out.splitlines() if line.startswith("jobs_per_gpu=")]
     assert [line.split(":")[0] for line in lines] == ["jobs_per_gpu=1", "jobs_per_gpu=2"]
@@ -237,15 +226,20 @@ TINY_REPRO = ["depth=2", "model.d_model=16", "model.n_head=2", "model.context=16
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def shell_script(name: str, *args: str, cwd: Path) -> str:
-    """Run scripts/`name` with bash in `cwd`, with this Python's normlab first on PATH; assert exit 0, return stdout."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(["bash", str(SCRIPTS / name), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
-    return result.stdout
+@pytest.fixture
+def shell_script(commands):
+    """shell_script(name, *args, cwd=...): scripts/`name` run by bash in `cwd`, its `normlab` and `python` commands
+    in this process (tests/inprocess.py); asserts exit 0, returns its stdout."""
+
+    def run(name: str, *args: str, cwd: Path) -> str:
+        result = commands.bash(SCRIPTS / name, *args, cwd=cwd, env={**os.environ, "WANDB_MODE": "disabled"})
+        assert result.returncode == 0, f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        return result.stdout
+
+    return run
 
 
-def test_wortsman2023_cpu_tables_every_arm_over_the_lrs_and_draws_the_figure_into_docs(tmp_path):
+def test_wortsman2023_cpu_tables_every_arm_over_the_lrs_and_draws_the_figure_into_docs(tmp_path, shell_script):
     out = shell_script("wortsman2023_cpu.sh", *TINY_REPRO, "lr=1e-3,1e-1", cwd=tmp_path)
     arms = [f"{arm} qk_norm={qk}" for arm, qk in (("layer-pre", False), ("layer-pre", True), ("layer-post", False),
                                                   ("layer-post", True), ("rms-pre", False), ("dyt-pre", False))]  # fmt: skip
@@ -257,7 +251,7 @@ def test_wortsman2023_cpu_tables_every_arm_over_the_lrs_and_draws_the_figure_int
     assert (tmp_path / "docs" / "wortsman2023_cpu_lr.png").read_bytes()[:8] == PNG
 
 
-def test_xiong2020_warmup_cpu_runs_post_ln_at_three_warmups_and_pre_ln_without(tmp_path):
+def test_xiong2020_warmup_cpu_runs_post_ln_at_three_warmups_and_pre_ln_without(tmp_path, shell_script):
     out = shell_script("xiong2020_warmup_cpu.sh", *TINY_REPRO, cwd=tmp_path)
     for run in ("layer-post optim.warmup_steps=0 lr=1e-3", "layer-post optim.warmup_steps=50 lr=1e-3",
                 "layer-post optim.warmup_steps=400 lr=1e-3", "layer-pre optim.warmup_steps=0 lr=1e-3"):  # fmt: skip
@@ -267,7 +261,7 @@ def test_xiong2020_warmup_cpu_runs_post_ln_at_three_warmups_and_pre_ln_without(t
     assert (tmp_path / "docs" / "xiong2020_warmup_cpu.png").read_bytes()[:8] == PNG
 
 
-def test_zhu2025_cpu_compares_dyt_at_its_alpha_with_layernorm_and_rmsnorm(tmp_path):
+def test_zhu2025_cpu_compares_dyt_at_its_alpha_with_layernorm_and_rmsnorm(tmp_path, shell_script):
     out = shell_script("zhu2025_cpu.sh", *TINY_REPRO, "lr=1e-3", cwd=tmp_path)
     for arm in ("layer-pre", "rms-pre", "dyt-pre norm.alpha_attn=0.8 norm.alpha_final=0.2 norm.alpha_mlp=0.2"):
         loss, init, best = row(out, arm, 3)

@@ -1,13 +1,15 @@
-"""Every norm and placement variant through the real `normlab train` command: one multirun subprocess."""
+"""Every norm and placement variant through the `normlab train` command: one multirun, run in this process
+(tests/inprocess.py: a subprocess would import torch, Hydra and wandb again)."""
 
 import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 
+from inprocess import Commands
 from normlab.config import RunConfig
 from normlab.nn.model import GPT
 
@@ -48,13 +50,18 @@ def write_arm_group(conf_dir: Path) -> None:
         (conf_dir / "arm" / f"{arm}.yaml").write_text("\n".join(lines) + "\n")
 
 
-def _train(tmp_path: Path, args: list[str]) -> subprocess.CompletedProcess:
+@pytest.fixture
+def commands(monkeypatch):
+    return Commands(monkeypatch)
+
+
+def _train(commands: Commands, tmp_path: Path, args: list[str]) -> subprocess.CompletedProcess:
     """`normlab train -m` over the arm group, on a small local corpus, in tmp_path."""
     write_arm_group(tmp_path / "conf")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def norm(x):\n    return x / (x * x).mean() ** 0.5\n" * 400)
     cmd = [
-        os.path.join(os.path.dirname(sys.executable), "normlab"),
+        "normlab",
         "train",
         "-m",
         "--config-dir",
@@ -73,11 +80,11 @@ def _train(tmp_path: Path, args: list[str]) -> subprocess.CompletedProcess:
         "device=cpu",
     ]
     env = {**os.environ, "WANDB_MODE": "offline", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    return commands.run(cmd, tmp_path, env)
 
 
-def test_every_variant_trains_through_normlab_train(tmp_path):
-    proc = _train(tmp_path, ["+arm=" + ",".join(ARMS)])
+def test_every_variant_trains_through_normlab_train(tmp_path, commands):
+    proc = _train(commands, tmp_path, ["+arm=" + ",".join(ARMS)])
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     (sweep,) = (tmp_path / "outputs" / "sweeps").iterdir()
@@ -104,10 +111,10 @@ def test_every_variant_trains_through_normlab_train(tmp_path):
         assert list((job_dir / "wandb").glob("offline-run-*"))
 
 
-def test_every_new_arm_trains_packed_through_normlab_train(tmp_path):
+def test_every_new_arm_trains_packed_through_normlab_train(tmp_path, commands):
     """pack=true with two lrs: each new arm is a pack of two members, each an ordinary run."""
     arms = ",".join(NEW_ARMS)
-    proc = _train(tmp_path, [f"+arm={arms}", "lr=1e-3,3e-3", "pack=true", "telemetry.every=0"])
+    proc = _train(commands, tmp_path, [f"+arm={arms}", "lr=1e-3,3e-3", "pack=true", "telemetry.every=0"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (proc.stdout + proc.stderr).count("[pack of 2]") == 2 * len(NEW_ARMS)
     (sweep,) = (tmp_path / "outputs" / "sweeps").iterdir()

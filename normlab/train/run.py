@@ -240,7 +240,7 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkp
     state = build_state(cfg, device, precision)
     net = distributed.wrap(state.model, device, sync_batchnorm=cfg.norm.sync)  # the model itself for one process
     # Watched steps and evaluation run eager `net`/`model`; checkpoints hold `model`, so no `_orig_mod.` keys.
-    fast = compile_model(net, cfg.compile_mode) if cfg.compile else net
+    fast = compile_model(net, cfg.compile_mode, device) if cfg.compile else net
     callbacks = standard_callbacks(cfg, state, sinks, checkpointer, device, extra, run_dir)
     if resumed is not None:
         resumed.restore(state, callbacks)

@@ -85,12 +85,15 @@ def configure_determinism(deterministic: bool) -> None:
     torch.use_deterministic_algorithms(deterministic)
 
 
-def compile_model(net: nn.Module, mode: str):
+def compile_model(net: nn.Module, mode: str, device: torch.device):
     """`net` compiled with torch.compile's `mode` (config key compile_mode). Under reduce-overhead torch
-    captures the compiled forward and backward in CUDA graphs (on CUDA; elsewhere it compiles alone):
-    every call then starts a new graph step, since the loop reads a call's outputs before the next call
-    and keeps none of them longer."""
-    fast = torch.compile(net, mode=None if mode == "default" else mode)
+    captures the compiled forward and backward in CUDA graphs (on CUDA): every call then starts a new graph
+    step, since the loop reads a call's outputs before the next call and keeps none of them longer. Off CUDA
+    there is nothing to capture: it compiles with the default mode's Inductor settings (the mode's only
+    other one, triton.cudagraphs, would change the key of Inductor's on-disk cache, not the code), so a
+    default-mode compile of the same model is reused from that cache."""
+    as_default = mode == "default" or (mode == "reduce-overhead" and device.type != "cuda")
+    fast = torch.compile(net, mode=None if as_default else mode)
     if mode != "reduce-overhead":
         return fast
 

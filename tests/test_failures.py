@@ -416,13 +416,29 @@ def test_a_checkpoint_that_blocks_on_read_does_not_hang_through_sigterm(run_copy
     assert time.monotonic() - started < 20 and stopped.value.signum == signal.SIGTERM
 
 
+def blocked_opening_a_fifo(proc, timeout=300) -> bool:
+    """Waits until `proc` sleeps in opening a FIFO for reading (the kernel's wait_for_partner); False if
+    it ended first."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{proc.pid}/wchan").read_text() == "wait_for_partner":
+                return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
 def test_sigterm_while_the_command_reads_a_blocking_checkpoint_ends_it(run_copy):
+    # A stopped run (an ended one is found without reading a checkpoint), whose newest checkpoint blocks.
+    (run_copy / "summary.json").write_text(json.dumps({**summary(run_copy), "status": "preempted",
+                                                       "preempted_step": 10}))
     os.mkfifo(checkpoint_path(run_copy, 20))
     before = snapshot(run_copy)
     # The Hydra layer reads the checkpoint before Hydra starts; SIGTERM there ends the process at once.
     proc = start("train", *RUN, f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
-    time.sleep(4)
-    assert proc.poll() is None  # blocked on the read
+    assert blocked_opening_a_fifo(proc), proc.communicate()
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_here import normlab_in_fixture
 from wandb_log import finished_run_records, wandb_records
 
 # Long enough (about a second of training) for the test to act while the run is in flight.
@@ -27,11 +28,6 @@ def start(run_dir, *extra, cwd):
         [sys.executable, "-m", "normlab", "train", *RUN, *extra, f"hydra.run.dir={run_dir}"],
         cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-
-
-def finish(proc):
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
 
 
 def rows(run_dir):
@@ -62,11 +58,10 @@ def wandb_histories(run_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two runs side by side: one uninterrupted, one SIGKILLed after its first checkpoint and then
-    resumed (resume=auto, the default)."""
+    """Two runs: one SIGKILLed after its first checkpoint and then resumed (resume=auto, the default), and
+    one uninterrupted."""
     root = tmp_path_factory.mktemp("runs")
     dirs = {name: root / name for name in ("whole", "killed")}
-    whole = start(dirs["whole"], NO_WANDB, cwd=root)
     killed = start(dirs["killed"], "wandb.mode=offline", cwd=root)
     try:
         deadline = time.monotonic() + 300
@@ -76,20 +71,20 @@ def runs(tmp_path_factory):
             time.sleep(0.005)
         killed.send_signal(signal.SIGKILL)
         killed.communicate(timeout=60)
-        seen = {
-            "killed_rc": killed.returncode,
-            "killed_rows": rows(dirs["killed"]),
-            "killed_checkpoints": checkpoints(dirs["killed"]),
-            "killed_summary": (dirs["killed"] / "summary.json").exists(),
-        }
-        resumed = start(dirs["killed"], "wandb.mode=offline", cwd=root)
-        for proc in (whole, resumed):
-            finish(proc)
     finally:
-        for proc in (whole, killed):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait()
+    seen = {
+        "killed_rc": killed.returncode,
+        "killed_rows": rows(dirs["killed"]),
+        "killed_checkpoints": checkpoints(dirs["killed"]),
+        "killed_summary": (dirs["killed"] / "summary.json").exists(),
+    }
+    # The resumed and the uninterrupted run in this process: the kill is what needs a process of its own.
+    for run_dir, wandb in ((dirs["killed"], "wandb.mode=offline"), (dirs["whole"], NO_WANDB)):
+        done = normlab_in_fixture("train", *RUN, wandb, f"hydra.run.dir={run_dir}", cwd=root)
+        assert done.returncode == 0, done.stderr[-3000:]
     return dirs, seen
 
 

@@ -3,7 +3,6 @@ and the whole path on a small real sweep."""
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cli_here import normlab_in_fixture
 from normlab import cli
 from normlab.analysis import CompareError, build_comparison, find_run_dirs, load_run, load_runs, lr_sensitivity
 from normlab.analysis.compare import compare
@@ -483,26 +483,24 @@ def test_compare_help_does_not_import_torch_wandb_or_matplotlib():
 # ------------------------------------------------------------------------------------------ a real sweep
 
 
-def normlab_command() -> list[str]:
-    return [sys.executable, "-m", "normlab.cli"]
-
-
 @pytest.fixture(scope="module")
 def real_sweep(tmp_path_factory):
-    """A four-run sweep made by the real `normlab train -m`, tiny and fast, in its own cwd."""
+    """A four-run sweep made by the real `normlab train -m` (in this process: the runs are the point, not the
+    process), tiny and fast, in its own cwd."""
     cwd = tmp_path_factory.mktemp("real-sweep")
-    env = dict(os.environ, WANDB_MODE="offline", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    env.setdefault("NORMLAB_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
     # compare reads run files, not wandb: no wandb run (about two seconds a job).
     args = ("model=tiny max_steps=6 eval_every=3 log_every=1 seq_len=32 batch_size=8 lr=1e-3,3e-3 norm=layer,rms progress=false"
             " device=cpu wandb.mode=disabled")
-    subprocess.run([*normlab_command(), "train", "-m", *args.split()], cwd=cwd, env=env, check=True, capture_output=True)
+    with pytest.MonkeyPatch.context() as patch:  # the per-test token cache is not set up yet at module scope
+        patch.setenv("NORMLAB_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        result = normlab_in_fixture("train", "-m", *args.split(), cwd=cwd)
+    assert result.returncode in (0, None), result.stderr[-3000:]
     [sweep] = (cwd / "outputs" / "sweeps").iterdir()
-    return cwd, sweep, env
+    return cwd, sweep
 
 
 def test_compare_on_a_real_sweep_reports_the_summary_numbers(real_sweep, monkeypatch, capsys):
-    cwd, sweep, _ = real_sweep
+    cwd, sweep = real_sweep
     monkeypatch.chdir(cwd)
     # In this process: the command line is test_cli_prints_the_report_dir's, the real runs are the point here.
     assert cli.main(["compare", str(sweep.relative_to(cwd))]) == 0

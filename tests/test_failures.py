@@ -20,7 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import wandb
 
+from cli_here import normlab_here as normlab_exits_here  # a sys.exit's code as the returncode
+from cli_here import normlab_in_fixture
 from conftest import tiny_config
 from normlab.train import preempt
 from normlab.train.callbacks import Callback
@@ -34,11 +37,6 @@ RUN = ["model=tiny", "batch_size=4", "seq_len=16", "max_steps=10", "eval_every=5
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def normlab(*args, cwd, timeout=300):
-    return subprocess.run([sys.executable, "-m", "normlab", *args], cwd=cwd, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def normlab_here(*args, cwd, monkeypatch, capsys):
     """`normlab ARGS` in `cwd` through normlab.cli.main in this process (what `python -m normlab` calls),
     for refusals that come before any training: a subprocess costs seconds of start-up."""
@@ -47,15 +45,6 @@ def normlab_here(*args, cwd, monkeypatch, capsys):
     code = main(list(args))
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(["normlab", *args], code, out, err)
-
-
-def normlab_exits_here(*args, cwd, monkeypatch, capsys):
-    """normlab_here for a command whose Hydra job ends the process (sys.exit): its exit code as returncode."""
-    try:
-        return normlab_here(*args, cwd=cwd, monkeypatch=monkeypatch, capsys=capsys)
-    except SystemExit as stopped:
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["normlab", *args], stopped.code, out, err)
 
 
 def start(*args, cwd):
@@ -94,7 +83,7 @@ def summary(run_dir):
 def finished(tmp_path_factory):
     """A run of 10 steps with checkpoints at steps 5 and 10, made once; tests take copies."""
     root = tmp_path_factory.mktemp("finished")
-    result = normlab("train", *RUN, f"hydra.run.dir={root / 'run'}", cwd=root)
+    result = normlab_in_fixture("train", *RUN, f"hydra.run.dir={root / 'run'}", cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "run"
 
@@ -148,9 +137,10 @@ def _tiny_cli_config(**overrides):
     return cfg
 
 
-def test_a_resume_with_another_config_changes_nothing(run_copy):
+def test_a_resume_with_another_config_changes_nothing(run_copy, monkeypatch, capsys):
     before = snapshot(run_copy)
-    result = normlab("train", *RUN, "lr=1e-2", f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
+    result = normlab_exits_here("train", *RUN, "lr=1e-2", f"hydra.run.dir={run_copy}", cwd=run_copy.parent,
+                                monkeypatch=monkeypatch, capsys=capsys)
     assert result.returncode == 2
     one_error_line(result.stderr, "lr=0.003", "lr=0.01")
     assert snapshot(run_copy) == before
@@ -203,17 +193,19 @@ def test_another_configs_records_are_refused_by_auto_and_null_alike(killed_befor
     assert snapshot(run_dir) == before
 
 
-def test_overwrite_true_starts_over(killed_before_a_checkpoint):
+def test_overwrite_true_starts_over(killed_before_a_checkpoint, monkeypatch, capsys):
     run_dir = killed_before_a_checkpoint
-    result = normlab("train", *RUN, "lr=1e-2", "overwrite=true", f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
+    result = normlab_exits_here("train", *RUN, "lr=1e-2", "overwrite=true", f"hydra.run.dir={run_dir}",
+                                cwd=run_dir.parent, monkeypatch=monkeypatch, capsys=capsys)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in rows(run_dir)] == list(range(11))
     assert summary(run_dir)["lr"] == 0.01 and json.loads((run_dir / "config.json").read_text())["lr"] == 0.01
 
 
-def test_the_same_configs_killed_run_restarts(killed_before_a_checkpoint):
+def test_the_same_configs_killed_run_restarts(killed_before_a_checkpoint, monkeypatch, capsys):
     run_dir = killed_before_a_checkpoint
-    result = normlab("train", *RUN, f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
+    result = normlab_exits_here("train", *RUN, f"hydra.run.dir={run_dir}", cwd=run_dir.parent,
+                                monkeypatch=monkeypatch, capsys=capsys)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in rows(run_dir)] == list(range(11))
 
@@ -228,7 +220,8 @@ def test_a_second_run_in_a_locked_run_dir_gets_one_line_and_changes_nothing(run_
     try:
         assert holder.stdout.readline().strip() == "held"
         before = snapshot(run_copy)
-        result = normlab("train", *RUN, "resume=auto", f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
+        result = normlab_exits_here("train", *RUN, "resume=auto", f"hydra.run.dir={run_copy}", cwd=run_copy.parent,
+                                    monkeypatch=monkeypatch, capsys=capsys)
         assert result.returncode == 2
         one_error_line(result.stderr, str(run_copy), "in use")
         result = normlab_here("train", *RUN, "resume=null", f"hydra.run.dir={run_copy}", cwd=run_copy.parent,
@@ -242,7 +235,8 @@ def test_a_second_run_in_a_locked_run_dir_gets_one_line_and_changes_nothing(run_
     finally:
         holder.kill()  # SIGKILL: the lock must die with its process
         holder.wait()
-    result = normlab("train", *RUN, "overwrite=true", f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
+    result = normlab_exits_here("train", *RUN, "overwrite=true", f"hydra.run.dir={run_copy}", cwd=run_copy.parent,
+                                monkeypatch=monkeypatch, capsys=capsys)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -423,13 +417,29 @@ def test_a_checkpoint_that_blocks_on_read_does_not_hang_through_sigterm(run_copy
     assert time.monotonic() - started < 20 and stopped.value.signum == signal.SIGTERM
 
 
+def blocked_opening_a_fifo(proc, timeout=300) -> bool:
+    """Waits until `proc` sleeps in opening a FIFO for reading (the kernel's wait_for_partner); False if
+    it ended first."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{proc.pid}/wchan").read_text() == "wait_for_partner":
+                return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
 def test_sigterm_while_the_command_reads_a_blocking_checkpoint_ends_it(run_copy):
+    # A stopped run (an ended one is found without reading a checkpoint), whose newest checkpoint blocks.
+    (run_copy / "summary.json").write_text(json.dumps({**summary(run_copy), "status": "preempted",
+                                                       "preempted_step": 10}))
     os.mkfifo(checkpoint_path(run_copy, 20))
     before = snapshot(run_copy)
     # The Hydra layer reads the checkpoint before Hydra starts; SIGTERM there ends the process at once.
     proc = start("train", *RUN, f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
-    time.sleep(4)
-    assert proc.poll() is None  # blocked on the read
+    assert blocked_opening_a_fifo(proc), proc.communicate()
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
@@ -437,7 +447,7 @@ def test_sigterm_while_the_command_reads_a_blocking_checkpoint_ends_it(run_copy)
     assert snapshot(run_copy) == before
 
 
-def test_ctrl_c_during_training_checkpoints_and_exits_interrupted(tmp_path):
+def test_ctrl_c_during_training_checkpoints_and_exits_interrupted(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     proc = start("train", *RUN, "max_steps=400", "eval_every=100", "ckpt.every=1000", f"hydra.run.dir={run_dir}",
                  cwd=tmp_path)
@@ -454,8 +464,8 @@ def test_ctrl_c_during_training_checkpoints_and_exits_interrupted(tmp_path):
     [(step, _)] = list_checkpoints(run_dir)
     assert done["status"] == "interrupted" and done["preempted_step"] == step
     assert rows(run_dir)[-1]["step"] == step - 1  # the checkpoint sits at the step boundary after the last row
-    resumed = normlab("train", *RUN, "max_steps=400", "eval_every=100", "ckpt.every=1000", f"hydra.run.dir={run_dir}",
-                      cwd=tmp_path)
+    resumed = normlab_exits_here("train", *RUN, "max_steps=400", "eval_every=100", "ckpt.every=1000",
+                                 f"hydra.run.dir={run_dir}", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert summary(run_dir)["resumed_from_step"] == step
     assert [r["step"] for r in rows(run_dir)] == list(range(401))
@@ -521,12 +531,13 @@ def test_a_refused_run_in_a_dir_that_existed_keeps_the_dir(tmp_path, monkeypatch
     assert result.returncode == 2 and run_dir.is_dir()
 
 
-def test_a_data_error_in_one_job_is_that_jobs_failure(tmp_path):
+def test_a_data_error_in_one_job_is_that_jobs_failure(tmp_path, monkeypatch, capsys):
     (tmp_path / "a.txt").write_text("too small")
     (tmp_path / "b.txt").write_text("def f(x):\n    return x * 2\n" * 400)
     sweep = tmp_path / "sweep"
-    result = normlab("train", "-m", *RUN, "data=text", f"data.files=[{tmp_path / 'a.txt'}],[{tmp_path / 'b.txt'}]",
-                     f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    result = normlab_exits_here("train", "-m", *RUN, "data=text",
+                                f"data.files=[{tmp_path / 'a.txt'}],[{tmp_path / 'b.txt'}]", f"hydra.sweep.dir={sweep}",
+                                cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert [summary(job)["status"] for job in jobs] == ["failed", "completed"]
@@ -535,12 +546,13 @@ def test_a_data_error_in_one_job_is_that_jobs_failure(tmp_path):
     assert len(failures) == 1 and "job 0" in failures[0] and "a.txt" in failures[0]
 
 
-def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_path):
+def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_path, monkeypatch, capsys):
     sweep = tmp_path / "sweep"
     args = ["train", "-m", *[a for a in RUN if a != "wandb.mode=disabled"], "wandb.mode=offline", "norm=layer,rms",
             f"hydra.sweep.dir={sweep}"]
-    first = normlab(*args, cwd=tmp_path)
+    first = normlab_exits_here(*args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert first.returncode == 0, first.stderr[-3000:]
+    wandb.teardown()  # as the end of a process would: wandb's service stops writing the jobs' wandb/ logs
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     wandb_runs = {job: sorted((job / "wandb").glob("offline-run-*")) for job in jobs}
     # Job 0 as a preemption leaves it, but with its newest checkpoint cut short.
@@ -550,15 +562,18 @@ def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_pat
     newest.write_bytes(newest.read_bytes()[:100])
     ended = snapshot(jobs[1])
 
-    again = normlab(*args, cwd=tmp_path)
+    again = normlab_exits_here(*args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert again.returncode == 0, again.stderr[-3000:]
     assert summary(jobs[0])["status"] == "failed" and str(newest) in summary(jobs[0])["error"]
     failures = [line for line in again.stderr.splitlines() if line.startswith("normlab: error:")]
     assert len(failures) == 1 and "job 0" in failures[0] and "unreadable checkpoint" in failures[0]
     assert "already completed" in again.stderr
     hydras = (".hydra", "normlab.log")  # Hydra's own writes for every job it launches
-    assert {k: v for k, v in snapshot(jobs[1]).items() if not k.startswith(hydras)} == {
-        k: v for k, v in ended.items() if not k.startswith(hydras)}
+    # Not the job's: wandb/offline-run-*/logs/debug-core.log links to ~/.cache/wandb/logs/core-debug-<second>.log,
+    # the log of the wandb service, which every service started in that second on the machine writes.
+    linked = {k for k in ended if (jobs[1] / k).is_symlink()}
+    assert {k: v for k, v in snapshot(jobs[1]).items() if not k.startswith(hydras) and k not in linked} == {
+        k: v for k, v in ended.items() if not k.startswith(hydras) and k not in linked}
     assert sorted((jobs[1] / "wandb").glob("offline-run-*")) == wandb_runs[jobs[1]]  # no second wandb run
 
 

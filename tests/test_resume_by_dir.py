@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_here import normlab_here, normlab_in_fixture
 from normlab.cli import main
 
 # A run long enough (about a second of training) to be stopped in flight, twice.
@@ -27,20 +28,6 @@ TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed
 def start(*args, cwd):
     return subprocess.Popen([sys.executable, "-m", "normlab", *args], cwd=cwd, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-
-
-def normlab(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "normlab", *args], cwd=cwd, env=ENV, capture_output=True, text=True,
-                          timeout=600)
-
-
-def normlab_here(*args, cwd, monkeypatch, capsys):
-    """`normlab ARGS` through normlab.cli.main in this process, for refusals: no subprocess start-up."""
-    monkeypatch.chdir(cwd)
-    capsys.readouterr()
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["normlab", *args], code, out, err)
 
 
 def rows(run_dir):
@@ -88,9 +75,8 @@ def continue_command(stderr):
     return shlex.split(line.split("to continue it: ", 1)[1])
 
 
-def test_a_stopped_run_continues_from_its_dir_alone_and_equals_the_uninterrupted_run(tmp_path):
+def test_a_stopped_run_continues_from_its_dir_alone_and_equals_the_uninterrupted_run(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "my runs" / "stopped"  # a space: the command in the message must quote it
-    whole = start("train", *RUN, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
     first = start("train", *RUN, f"hydra.run.dir='{run_dir}'", cwd=tmp_path)
     err = sigterm_after_a_checkpoint(first, run_dir)
     stopped_at = json.loads((run_dir / "summary.json").read_text())["preempted_step"]
@@ -102,10 +88,11 @@ def test_a_stopped_run_continues_from_its_dir_alone_and_equals_the_uninterrupted
     again = start(*command[1:], cwd=tmp_path / "my runs")
     sigterm_after_a_checkpoint(again, run_dir, after=stopped_at)
     # Then as `normlab train resume=<its dir>`, again alone: the replayed overrides were saved once more.
-    last = normlab("train", f"resume={run_dir}", cwd=tmp_path)
+    last = normlab_here("train", f"resume={run_dir}", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert last.returncode == 0, last.stderr[-3000:]
-    whole.communicate(timeout=600)
-    assert whole.returncode == 0
+    whole = normlab_here("train", *RUN, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path, monkeypatch=monkeypatch,
+                         capsys=capsys)
+    assert whole.returncode == 0, whole.stderr[-3000:]
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["resumed_from_step"] > stopped_at
@@ -121,7 +108,7 @@ def finished(tmp_path_factory):
     """A finished run of 10 steps with checkpoints at 5 and 10, made once; tests take copies."""
     root = tmp_path_factory.mktemp("finished")
     short = [a for a in RUN if not a.startswith(("max_steps", "eval_every", "log_every", "ckpt.every"))]
-    result = normlab("train", *short, "max_steps=10", "eval_every=5", "log_every=1", "ckpt.every=5", "ckpt.keep=3",
+    result = normlab_in_fixture("train", *short, "max_steps=10", "eval_every=5", "log_every=1", "ckpt.every=5", "ckpt.keep=3",
                      f"hydra.run.dir={root / 'run'}", cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "run"
@@ -150,11 +137,11 @@ def test_a_change_beside_resume_is_refused_in_one_line_and_changes_nothing(run_c
         assert snapshot(run_copy) == before  # .hydra/ included: Hydra never started
 
 
-def test_a_bookkeeping_change_beside_resume_is_taken(run_copy):
+def test_a_bookkeeping_change_beside_resume_is_taken(run_copy, monkeypatch, capsys):
     # From the checkpoint of step 5, with other checkpointing and sinks: the rows after it equal the first run's.
     first = rows(run_copy)
-    result = normlab("train", f"resume={run_copy / 'checkpoints' / 'step-000005.pt'}", "ckpt.keep=1",
-                     "sinks=[jsonl,csv]", cwd=run_copy.parent)
+    result = normlab_here("train", f"resume={run_copy / 'checkpoints' / 'step-000005.pt'}", "ckpt.keep=1",
+                          "sinks=[jsonl,csv]", cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((run_copy / "summary.json").read_text())["resumed_from_step"] == 5
     assert comparable(rows(run_copy)) == comparable(first)
@@ -205,12 +192,13 @@ def test_a_sweep_jobs_dir_resumes_with_its_config_dir_and_preset(tmp_path, monke
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
     (tmp_path / "conf" / "experiment" / "tiny_grid.yaml").write_text(PRESET)
     sweep = tmp_path / "sweep"
-    result = normlab("train", "-m", "--config-dir", "conf", "experiment=tiny_grid", "progress=false",
-                     "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    result = normlab_here("train", "-m", "--config-dir", "conf", "experiment=tiny_grid", "progress=false",
+                          "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path, monkeypatch=monkeypatch,
+                          capsys=capsys)
     assert result.returncode == 0, result.stderr[-3000:]
     # A job's dir, from elsewhere: its saved overrides (the preset's norm=rms among them) and its --config-dir.
     job = sweep / "0_rms-pre-d2-lr3e-3-s0"
-    again = normlab("resume", str(job), cwd=tmp_path / "conf")
+    again = normlab_here("resume", str(job), cwd=tmp_path / "conf", monkeypatch=monkeypatch, capsys=capsys)
     assert again.returncode == 0 and "already completed" in again.stderr, again.stderr[-3000:]
     # The sweep dir itself: the command that runs the sweep again there, --config-dir included.
     result = normlab_here("resume", str(sweep), cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)

@@ -9,10 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from cli_here import normlab_here, normlab_in_fixture
 from wandb_log import finished_run_records, wandb_records
 
 # Long enough (about a second of training) for the test to act while the run is in flight.
@@ -27,11 +29,6 @@ def start(run_dir, *extra, cwd):
         [sys.executable, "-m", "normlab", "train", *RUN, *extra, f"hydra.run.dir={run_dir}"],
         cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-
-
-def finish(proc):
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
 
 
 def rows(run_dir):
@@ -62,11 +59,10 @@ def wandb_histories(run_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two runs side by side: one uninterrupted, one SIGKILLed after its first checkpoint and then
-    resumed (resume=auto, the default)."""
+    """Two runs: one SIGKILLed after its first checkpoint and then resumed (resume=auto, the default), and
+    one uninterrupted."""
     root = tmp_path_factory.mktemp("runs")
     dirs = {name: root / name for name in ("whole", "killed")}
-    whole = start(dirs["whole"], NO_WANDB, cwd=root)
     killed = start(dirs["killed"], "wandb.mode=offline", cwd=root)
     try:
         deadline = time.monotonic() + 300
@@ -76,20 +72,20 @@ def runs(tmp_path_factory):
             time.sleep(0.005)
         killed.send_signal(signal.SIGKILL)
         killed.communicate(timeout=60)
-        seen = {
-            "killed_rc": killed.returncode,
-            "killed_rows": rows(dirs["killed"]),
-            "killed_checkpoints": checkpoints(dirs["killed"]),
-            "killed_summary": (dirs["killed"] / "summary.json").exists(),
-        }
-        resumed = start(dirs["killed"], "wandb.mode=offline", cwd=root)
-        for proc in (whole, resumed):
-            finish(proc)
     finally:
-        for proc in (whole, killed):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait()
+    seen = {
+        "killed_rc": killed.returncode,
+        "killed_rows": rows(dirs["killed"]),
+        "killed_checkpoints": checkpoints(dirs["killed"]),
+        "killed_summary": (dirs["killed"] / "summary.json").exists(),
+    }
+    # The resumed and the uninterrupted run in this process: the kill is what needs a process of its own.
+    for run_dir, wandb in ((dirs["killed"], "wandb.mode=offline"), (dirs["whole"], NO_WANDB)):
+        done = normlab_in_fixture("train", *RUN, wandb, f"hydra.run.dir={run_dir}", cwd=root)
+        assert done.returncode == 0, done.stderr[-3000:]
     return dirs, seen
 
 
@@ -136,25 +132,37 @@ def _submitit_job_pid(folder: Path) -> int | None:
     return None
 
 
-def test_submitit_requeue_after_its_signal_resumes_in_the_same_dir(runs, tmp_path):
+def _usr2_once_it_logged(job_dir: Path, sweeps: Path, sent: list) -> None:
+    """Sends the submitit job that trains in `job_dir` SIGUSR2 once it logged two rows; `sent` gets its pid,
+    or the error that stopped it."""
+    try:
+        deadline = time.monotonic() + 300
+        while not ((job_dir / "metrics.jsonl").exists() and len(rows(job_dir)) >= 2):
+            assert time.monotonic() < deadline, "timed out waiting for the job's rows"
+            time.sleep(0.005)
+        pid = _submitit_job_pid(sweeps)
+        os.kill(pid, signal.SIGUSR2)
+        sent.append(pid)
+    except BaseException as error:  # noqa: BLE001 - reported by the test
+        sent.append(error)
+
+
+def test_submitit_requeue_after_its_signal_resumes_in_the_same_dir(runs, tmp_path, monkeypatch, capsys):
     """hydra-submitit-launcher's local executor: its preemption signal (USR2) reaches normlab first; normlab
-    checkpoints, then submitit's handler requeues the job, which reruns in the same dir and resumes."""
+    checkpoints, then submitit's handler requeues the job, which reruns in the same dir and resumes. The
+    launcher runs in this process (the job, signalled and requeued, runs in submitit's processes)."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     dirs, _ = runs
     sweeps = tmp_path / "sweeps"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "normlab", "train", "-m", "hydra/launcher=submitit_local", *RUN, NO_WANDB,
-         f"hydra.sweep.dir={sweeps}"],
-        cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
     job_dir = sweeps / "0_layer-pre-d2-lr3e-3-s0"
-    deadline = time.monotonic() + 300
-    while not ((job_dir / "metrics.jsonl").exists() and len(rows(job_dir)) >= 2):
-        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-2000:]
-        time.sleep(0.005)
-    os.kill(_submitit_job_pid(sweeps), signal.SIGUSR2)
-    _, err = launcher.communicate(timeout=600)
-    assert launcher.returncode == 0, err[-3000:]
+    sent = []
+    signaller = threading.Thread(target=_usr2_once_it_logged, args=(job_dir, sweeps, sent), daemon=True)
+    signaller.start()
+    launcher = normlab_here("train", "-m", "hydra/launcher=submitit_local", *RUN, NO_WANDB, f"hydra.sweep.dir={sweeps}",
+                            cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    signaller.join(timeout=60)
+    assert len(sent) == 1 and isinstance(sent[0], int), sent
+    assert launcher.returncode in (0, None), launcher.stderr[-3000:]
     logs = "".join(p.read_text() for p in (sweeps / ".submitit").rglob("*_log.*"))
     assert "Requeued job" in logs
     summary = json.loads((job_dir / "summary.json").read_text())

@@ -1,11 +1,11 @@
 """`normlab sample`: text from a trained run, reproducible per seed, and one-line errors for bad input."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
+from cli_here import normlab_in_fixture
 from normlab.cli import main
 from normlab.config import ModelConfig
 from normlab.sample import generate
@@ -15,7 +15,7 @@ PROMPT = "def "
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A 3-step tiny run on a small text file, trained through the real command."""
+    """A 3-step tiny run on a small text file, trained through the real command (in this process)."""
     root = tmp_path_factory.mktemp("sample-run")
     text = root / "code.txt"
     text.write_text("def square(x):\n    return x * x\n" * 200, encoding="utf-8")
@@ -23,8 +23,7 @@ def run_dir(tmp_path_factory):
     args = ["model=tiny", "max_steps=3", "batch_size=4", "seq_len=16", "eval_batches=1", "eval_every=0",
             "telemetry.every=0", "wandb.mode=disabled", "progress=false", "device=cpu", "data=text", f"data.files=[{text}]",
             f"hydra.run.dir={out}"]
-    result = subprocess.run([sys.executable, "-m", "normlab", "train", *args], cwd=root, capture_output=True,
-                            text=True, env=dict(os.environ), timeout=600)
+    result = normlab_in_fixture("train", *args, cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 

@@ -149,9 +149,9 @@ from normlab.nn.model import GPT
 from normlab.train.runtime import configure_host_allocator
 torch.set_num_threads(1)
 print(configure_host_allocator())
-cfg = RunConfig(model=ModelConfig(d_model=128, n_head=4, context=128), depth=4, batch_size=16, seq_len=128)
+cfg = RunConfig(model=ModelConfig(d_model=128, n_head=4, context=128), depth=2, batch_size=8, seq_len=128)
 model = GPT(cfg)
-x = torch.randint(0, 256, (16, 128))
+x = torch.randint(0, 256, (8, 128))
 for step in range(25):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
@@ -163,9 +163,10 @@ for step in range(25):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc only")
 def test_host_allocator_setting_stops_the_steps_page_faults():
-    """With glibc's defaults most steps of this model map (and zero) 500-10,000 fresh pages for their
-    MiB-sized activations. After configure_host_allocator, which train() calls, the steps reuse the
-    heap: most fault not at all (a step may still grow the heap now and then)."""
+    """With glibc's defaults most steps of this model map (and zero) 300-4,000 fresh pages for their
+    MiB-sized activations (3-9 of its 20 steps faulted under 10 times in five runs without the setting,
+    so the test fails there). After configure_host_allocator, which train() calls, the steps reuse the
+    heap: most fault not at all (17-19 of 20; a step may still grow the heap now and then)."""
     out = subprocess.run([sys.executable, "-c", FAULTS_PER_STEP], capture_output=True, text=True, check=True)
     applied, *faults = out.stdout.split()
     assert applied == "True"

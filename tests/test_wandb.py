@@ -8,6 +8,7 @@ import time
 import pytest
 import wandb
 
+from cli_here import normlab_here
 from conftest import tiny_config
 from normlab import keys
 from normlab.train.sinks import WandbUnavailable
@@ -168,18 +169,13 @@ def test_no_api_key_with_on_unreachable_stop_stops_before_training(tmp_path, mon
     assert saved["status"] == "failed" and (tmp_path / "config.json").exists()
 
 
-def test_through_the_command_no_api_key_is_one_warning_or_one_error_line(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") or k == "WANDB_SILENT"}
-    env.update(WANDB_MODE="online", WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), NETRC=str(tmp_path / "no-netrc"))
+def test_through_the_command_no_api_key_is_one_warning_or_one_error_line(tmp_path, monkeypatch, capsys,
+                                                                         no_user_wandb_settings):
+    monkeypatch.setenv("WANDB_MODE", "online")
     tiny = ["model=tiny", "max_steps=2", "eval_every=1", "eval_batches=1", "batch_size=4", "seq_len=16", "progress=false"]
 
     def normlab(*args):
-        return subprocess.run([sys.executable, "-m", "normlab", "train", *tiny, *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
+        return normlab_here("train", *tiny, *args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
 
     stopped = normlab("wandb.on_unreachable=stop", "hydra.run.dir=stopped")
     assert stopped.returncode == 2 and "Traceback" not in stopped.stdout + stopped.stderr

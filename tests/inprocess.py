@@ -10,8 +10,6 @@ would import torch, Hydra and matplotlib again, 5 to 10 s of CPU each, which thi
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import runpy
 import select
@@ -22,8 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-
+from cli_here import in_process
 from normlab import cli
 
 # A shim: the command's arguments, directory and environment go into a request folder, whose path goes to the queue
@@ -77,29 +74,10 @@ class Commands:
 
     def run(self, argv: list[str], cwd, env: dict | None = None) -> subprocess.CompletedProcess:
         """`argv` (a normlab command or `python SCRIPT.py ...`) in this process, in `cwd`, under `env` (default:
-        this process's): its stdout, stderr and exit code. The directory, environment, sys.argv and sys.path,
-        and torch's threads, determinism and TF32 flag are restored after."""
+        this process's): its stdout, stderr and exit code, with this process's state put back after
+        (cli_here.in_process)."""
         argv = [str(a) for a in argv]
-        saved = (os.getcwd(), dict(os.environ), sys.argv, list(sys.path))
-        torch_state = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
-                       torch.backends.cuda.matmul.allow_tf32)
-        out, err = io.StringIO(), io.StringIO()
-        try:
-            os.chdir(cwd)
-            if env is not None:
-                os.environ.clear()
-                os.environ.update(env)
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = self._call(argv)
-        finally:
-            os.chdir(saved[0])
-            os.environ.clear()
-            os.environ.update(saved[1])
-            sys.argv, sys.path[:] = saved[2], saved[3]
-            torch.set_num_threads(torch_state[0])
-            torch.use_deterministic_algorithms(torch_state[1])
-            torch.backends.cuda.matmul.allow_tf32 = torch_state[2]
-        return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+        return in_process(argv, lambda: self._call(argv), cwd, dict(os.environ) if env is None else env)
 
     @staticmethod
     def _call(argv: list[str]) -> int:

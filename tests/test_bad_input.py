@@ -17,7 +17,7 @@ import torch
 from normlab.config import ConfigError, RunConfig, suggest_key, unknown_key_message
 from normlab.launch import machine
 from normlab.launch.machine import MemoryEstimate, check_memory, check_output_dir, estimate_memory
-from test_cli import normlab_here
+from cli_here import normlab_here
 
 
 def _installed(module: str) -> bool:

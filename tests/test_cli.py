@@ -1,19 +1,17 @@
 """The real `normlab` command: runs, multiruns, help, and one-line errors for bad input."""
 
-import contextlib
 import json
-import logging
 import os
 import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from cli_here import normlab_here
 from normlab.cli import main
 from normlab.config import NORMS, PLACEMENTS
 
@@ -29,48 +27,6 @@ def normlab(*args, cwd, env=None):
         env={**os.environ, **(env or {})},
         timeout=600,
     )
-
-
-def normlab_here(*args, cwd, env=None) -> subprocess.CompletedProcess:
-    """`normlab ARGS` in `cwd`, with `env` added to the environment, through normlab.cli.main in this process
-    (what `python -m normlab` calls): its exit code (a job's sys.exit too), stdout and stderr, as normlab() gives
-    them, without a subprocess's seconds of start-up (torch, wandb). For the tests that are not about the process
-    itself (signals, kills, concurrency). The cwd, environment, sys.argv and the loggers' handlers are put back."""
-    loggers = {logger: list(logger.handlers) for logger in (logging.getLogger(), logging.getLogger("normlab"))}
-    with tempfile.TemporaryDirectory() as captured, pytest.MonkeyPatch.context() as patch:
-        patch.chdir(cwd)
-        patch.setattr(sys, "argv", list(sys.argv))  # Hydra's app sets it
-        for key, value in (env or {}).items():
-            patch.setenv(key, value)
-        out, err = Path(captured, "stdout"), Path(captured, "stderr")
-        try:
-            with _written_to(out, 1, "stdout"), _written_to(err, 2, "stderr"):
-                code = main(list(args))
-        except SystemExit as stopped:
-            code = 0 if stopped.code is None else stopped.code
-        finally:
-            for logger, handlers in loggers.items():  # Hydra's job logging, bound to the files below
-                for handler in [h for h in logger.handlers if h not in handlers]:
-                    logger.removeHandler(handler)
-        return subprocess.CompletedProcess(["normlab", *args], code, out.read_text(errors="replace"),
-                                           err.read_text(errors="replace"))
-
-
-@contextlib.contextmanager
-def _written_to(path: Path, fd: int, stream: str):
-    """For the duration, sys.<stream> and the file descriptor `fd` (what the launcher's worker processes inherit)
-    both append to `path`, in the order they write."""
-    getattr(sys, stream).flush()
-    saved = os.dup(fd)
-    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(target, fd)
-    try:
-        with open(target, "w", buffering=1, encoding="utf-8", errors="replace") as text, \
-                (contextlib.redirect_stdout if fd == 1 else contextlib.redirect_stderr)(text):
-            yield
-    finally:
-        os.dup2(saved, fd)
-        os.close(saved)
 
 
 def run_dirs(root: Path) -> list[Path]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli_here import normlab_in_fixture
+from cli_here import normlab_here
 from normlab import cli
 from normlab.analysis import CompareError, build_comparison, find_run_dirs, load_run, load_runs, lr_sensitivity
 from normlab.analysis.compare import compare
@@ -493,7 +493,7 @@ def real_sweep(tmp_path_factory):
             " device=cpu wandb.mode=disabled")
     with pytest.MonkeyPatch.context() as patch:  # the per-test token cache is not set up yet at module scope
         patch.setenv("NORMLAB_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-        result = normlab_in_fixture("train", "-m", *args.split(), cwd=cwd)
+        result = normlab_here("train", "-m", *args.split(), cwd=cwd)
     assert result.returncode in (0, None), result.stderr[-3000:]
     [sweep] = (cwd / "outputs" / "sweeps").iterdir()
     return cwd, sweep

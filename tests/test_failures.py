@@ -22,29 +22,18 @@ import pytest
 import torch
 import wandb
 
-from cli_here import normlab_here as normlab_exits_here  # a sys.exit's code as the returncode
-from cli_here import normlab_in_fixture
+from cli_here import normlab_here
 from conftest import tiny_config
+from normlab.cli import main
 from normlab.train import preempt
 from normlab.train.callbacks import Callback
 from normlab.train.checkpoint import Checkpoint, CheckpointError, checkpoint_path, list_checkpoints
-from normlab.cli import main
 from normlab.train.sinks import MetricsFile, RunDir, RunDirBusy, Sink
 from normlab.train.run import train
 
 RUN = ["model=tiny", "batch_size=4", "seq_len=16", "max_steps=10", "eval_every=5", "eval_batches=2",
        "log_every=1", "ckpt.every=5", "ckpt.keep=3", "progress=false", "wandb.mode=disabled"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def normlab_here(*args, cwd, monkeypatch, capsys):
-    """`normlab ARGS` in `cwd` through normlab.cli.main in this process (what `python -m normlab` calls),
-    for refusals that come before any training: a subprocess costs seconds of start-up."""
-    monkeypatch.chdir(cwd)
-    capsys.readouterr()
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["normlab", *args], code, out, err)
 
 
 def start(*args, cwd):
@@ -83,7 +72,7 @@ def summary(run_dir):
 def finished(tmp_path_factory):
     """A run of 10 steps with checkpoints at steps 5 and 10, made once; tests take copies."""
     root = tmp_path_factory.mktemp("finished")
-    result = normlab_in_fixture("train", *RUN, f"hydra.run.dir={root / 'run'}", cwd=root)
+    result = normlab_here("train", *RUN, f"hydra.run.dir={root / 'run'}", cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "run"
 
@@ -111,7 +100,7 @@ def test_a_resume_from_a_checkpoint_lacking_a_piece_changes_nothing(run_copy, pi
     five = checkpoint_path(run_copy, 5)
     _drop(five, *piece)
     before = snapshot(run_copy)
-    result = normlab_here("train", *RUN, f"resume={five}", cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("train", *RUN, f"resume={five}", cwd=run_copy.parent)
     assert result.returncode == 2
     one_error_line(result.stderr, str(five), piece[-1])
     assert snapshot(run_copy) == before  # step-000010.pt, metrics.jsonl, summary.json, .hydra/config.yaml
@@ -139,8 +128,7 @@ def _tiny_cli_config(**overrides):
 
 def test_a_resume_with_another_config_changes_nothing(run_copy, monkeypatch, capsys):
     before = snapshot(run_copy)
-    result = normlab_exits_here("train", *RUN, "lr=1e-2", f"hydra.run.dir={run_copy}", cwd=run_copy.parent,
-                                monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("train", *RUN, "lr=1e-2", f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
     assert result.returncode == 2
     one_error_line(result.stderr, "lr=0.003", "lr=0.01")
     assert snapshot(run_copy) == before
@@ -156,7 +144,7 @@ def test_a_cut_newest_checkpoint_names_the_newest_readable_one_and_the_command_t
     newest = checkpoint_path(run_copy, 10)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     before = snapshot(run_copy)
-    refused = normlab_here("resume", str(run_copy), cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+    refused = normlab_here("resume", str(run_copy), cwd=run_copy.parent)
     assert refused.returncode == 2
     line = one_error_line(refused.stderr, str(newest), "unreadable checkpoint", str(checkpoint_path(run_copy, 5)),
                           "(step 5)")
@@ -164,7 +152,7 @@ def test_a_cut_newest_checkpoint_names_the_newest_readable_one_and_the_command_t
     assert snapshot(run_copy) == before
     command = shlex.split(line.split("to continue from it: ", 1)[1].split(" (the later")[0])
     assert command[:2] == ["normlab", "resume"]
-    resumed = normlab_here(*command[1:], cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+    resumed = normlab_here(*command[1:], cwd=run_copy.parent)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert summary(run_copy)["status"] == "completed" and summary(run_copy)["resumed_from_step"] == 5
     assert [r["step"] for r in rows(run_copy)] == steps
@@ -186,8 +174,7 @@ def test_another_configs_records_are_refused_by_auto_and_null_alike(killed_befor
                                                                     capsys):
     run_dir = killed_before_a_checkpoint
     before = snapshot(run_dir)
-    result = normlab_here("train", *RUN, "lr=1e-2", f"resume={resume}", f"hydra.run.dir={run_dir}", cwd=run_dir.parent,
-                          monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("train", *RUN, "lr=1e-2", f"resume={resume}", f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
     assert result.returncode == 2
     one_error_line(result.stderr, str(run_dir), "overwrite=true")
     assert snapshot(run_dir) == before
@@ -195,8 +182,8 @@ def test_another_configs_records_are_refused_by_auto_and_null_alike(killed_befor
 
 def test_overwrite_true_starts_over(killed_before_a_checkpoint, monkeypatch, capsys):
     run_dir = killed_before_a_checkpoint
-    result = normlab_exits_here("train", *RUN, "lr=1e-2", "overwrite=true", f"hydra.run.dir={run_dir}",
-                                cwd=run_dir.parent, monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("train", *RUN, "lr=1e-2", "overwrite=true", f"hydra.run.dir={run_dir}",
+                                cwd=run_dir.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in rows(run_dir)] == list(range(11))
     assert summary(run_dir)["lr"] == 0.01 and json.loads((run_dir / "config.json").read_text())["lr"] == 0.01
@@ -204,8 +191,7 @@ def test_overwrite_true_starts_over(killed_before_a_checkpoint, monkeypatch, cap
 
 def test_the_same_configs_killed_run_restarts(killed_before_a_checkpoint, monkeypatch, capsys):
     run_dir = killed_before_a_checkpoint
-    result = normlab_exits_here("train", *RUN, f"hydra.run.dir={run_dir}", cwd=run_dir.parent,
-                                monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("train", *RUN, f"hydra.run.dir={run_dir}", cwd=run_dir.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in rows(run_dir)] == list(range(11))
 
@@ -220,12 +206,10 @@ def test_a_second_run_in_a_locked_run_dir_gets_one_line_and_changes_nothing(run_
     try:
         assert holder.stdout.readline().strip() == "held"
         before = snapshot(run_copy)
-        result = normlab_exits_here("train", *RUN, "resume=auto", f"hydra.run.dir={run_copy}", cwd=run_copy.parent,
-                                    monkeypatch=monkeypatch, capsys=capsys)
+        result = normlab_here("train", *RUN, "resume=auto", f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
         assert result.returncode == 2
         one_error_line(result.stderr, str(run_copy), "in use")
-        result = normlab_here("train", *RUN, "resume=null", f"hydra.run.dir={run_copy}", cwd=run_copy.parent,
-                              monkeypatch=monkeypatch, capsys=capsys)
+        result = normlab_here("train", *RUN, "resume=null", f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
         assert result.returncode == 2
         one_error_line(result.stderr, str(run_copy), "in use")
         assert snapshot(run_copy) == before
@@ -235,8 +219,7 @@ def test_a_second_run_in_a_locked_run_dir_gets_one_line_and_changes_nothing(run_
     finally:
         holder.kill()  # SIGKILL: the lock must die with its process
         holder.wait()
-    result = normlab_exits_here("train", *RUN, "overwrite=true", f"hydra.run.dir={run_copy}", cwd=run_copy.parent,
-                                monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("train", *RUN, "overwrite=true", f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -464,8 +447,8 @@ def test_ctrl_c_during_training_checkpoints_and_exits_interrupted(tmp_path, monk
     [(step, _)] = list_checkpoints(run_dir)
     assert done["status"] == "interrupted" and done["preempted_step"] == step
     assert rows(run_dir)[-1]["step"] == step - 1  # the checkpoint sits at the step boundary after the last row
-    resumed = normlab_exits_here("train", *RUN, "max_steps=400", "eval_every=100", "ckpt.every=1000",
-                                 f"hydra.run.dir={run_dir}", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    resumed = normlab_here("train", *RUN, "max_steps=400", "eval_every=100", "ckpt.every=1000",
+                                 f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert summary(run_dir)["resumed_from_step"] == step
     assert [r["step"] for r in rows(run_dir)] == list(range(401))
@@ -494,9 +477,9 @@ def test_ctrl_c_says_so_once_after_the_progress_bar_closed(tmp_path, monkeypatch
 
     monkeypatch.setattr(run, "progress", ProgressBar)  # the bar a terminal gets
     signal_at_second_evaluation(monkeypatch, signal.SIGINT)
-    with pytest.raises(SystemExit) as stopped:
-        normlab_here("train", *RUN, "progress=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
-                     monkeypatch=monkeypatch, capsys=capsys)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:  # main itself, so that capsys sees what a collected bar would draw
+        main(["train", *RUN, "progress=true", f"hydra.run.dir={tmp_path / 'run'}"])
     gc.collect()  # an open bar is drawn again when collected
     out, err = capsys.readouterr()
     assert stopped.value.code == 130
@@ -516,7 +499,7 @@ def test_a_single_run_refused_for_its_data_leaves_no_run_dir(tmp_path, data, mon
              "empty": ["data=text", f"data.files=[{tmp_path / 'empty.txt'}]"],
              "a directory": ["data=text", f"data.files=[{tmp_path / 'folder'}]"],
              "hf offline": ["data=hf", "data.name=surely/not-cached-xyz", f"data.cache_dir={tmp_path / 'cache'}"]}[data]
-    result = normlab_exits_here("train", *RUN, *given, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("train", *RUN, *given, cwd=tmp_path)
     assert result.returncode == 2
     one_error_line(result.stderr)
     runs = tmp_path / "outputs" / "runs"
@@ -526,8 +509,8 @@ def test_a_single_run_refused_for_its_data_leaves_no_run_dir(tmp_path, data, mon
 def test_a_refused_run_in_a_dir_that_existed_keeps_the_dir(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "mine"
     run_dir.mkdir()
-    result = normlab_exits_here("train", *RUN, "data=text", f"data.files=[{tmp_path / 'missing.txt'}]",
-                                f"hydra.run.dir={run_dir}", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("train", *RUN, "data=text", f"data.files=[{tmp_path / 'missing.txt'}]",
+                                f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 2 and run_dir.is_dir()
 
 
@@ -535,9 +518,9 @@ def test_a_data_error_in_one_job_is_that_jobs_failure(tmp_path, monkeypatch, cap
     (tmp_path / "a.txt").write_text("too small")
     (tmp_path / "b.txt").write_text("def f(x):\n    return x * 2\n" * 400)
     sweep = tmp_path / "sweep"
-    result = normlab_exits_here("train", "-m", *RUN, "data=text",
+    result = normlab_here("train", "-m", *RUN, "data=text",
                                 f"data.files=[{tmp_path / 'a.txt'}],[{tmp_path / 'b.txt'}]", f"hydra.sweep.dir={sweep}",
-                                cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+                                cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert [summary(job)["status"] for job in jobs] == ["failed", "completed"]
@@ -550,7 +533,7 @@ def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_pat
     sweep = tmp_path / "sweep"
     args = ["train", "-m", *[a for a in RUN if a != "wandb.mode=disabled"], "wandb.mode=offline", "norm=layer,rms",
             f"hydra.sweep.dir={sweep}"]
-    first = normlab_exits_here(*args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    first = normlab_here(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     wandb.teardown()  # as the end of a process would: wandb's service stops writing the jobs' wandb/ logs
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -562,7 +545,7 @@ def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_pat
     newest.write_bytes(newest.read_bytes()[:100])
     ended = snapshot(jobs[1])
 
-    again = normlab_exits_here(*args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    again = normlab_here(*args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert summary(jobs[0])["status"] == "failed" and str(newest) in summary(jobs[0])["error"]
     failures = [line for line in again.stderr.splitlines() if line.startswith("normlab: error:")]

@@ -9,7 +9,8 @@ import pytest
 
 import normlab.launch.launcher as launcher
 from normlab.launch.launcher import plan_slots, threads_per_job, visible_gpus
-from test_cli import TINY, normlab_here, run_dirs
+from cli_here import normlab_here
+from test_cli import TINY, run_dirs
 
 
 def test_slots_are_dealt_round_robin_over_the_gpus():

@@ -16,7 +16,8 @@ import pytest
 from conftest import tiny_config
 from normlab.cli import main
 from normlab.config.packing import pack_groups
-from test_cli import normlab_here, run_dirs
+from cli_here import normlab_here
+from test_cli import run_dirs
 
 TINY = ["model=tiny", "max_steps=4", "eval_every=2", "eval_batches=1", "batch_size=4", "seq_len=16", "log_every=1",
         "telemetry.every=0", "device=cpu"]

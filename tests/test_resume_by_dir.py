@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_here import normlab_here, normlab_in_fixture
+from cli_here import normlab_here
 from normlab.cli import main
 
 # A run long enough (about a second of training) to be stopped in flight, twice.
@@ -88,10 +88,9 @@ def test_a_stopped_run_continues_from_its_dir_alone_and_equals_the_uninterrupted
     again = start(*command[1:], cwd=tmp_path / "my runs")
     sigterm_after_a_checkpoint(again, run_dir, after=stopped_at)
     # Then as `normlab train resume=<its dir>`, again alone: the replayed overrides were saved once more.
-    last = normlab_here("train", f"resume={run_dir}", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    last = normlab_here("train", f"resume={run_dir}", cwd=tmp_path)
     assert last.returncode == 0, last.stderr[-3000:]
-    whole = normlab_here("train", *RUN, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path, monkeypatch=monkeypatch,
-                         capsys=capsys)
+    whole = normlab_here("train", *RUN, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -108,7 +107,7 @@ def finished(tmp_path_factory):
     """A finished run of 10 steps with checkpoints at 5 and 10, made once; tests take copies."""
     root = tmp_path_factory.mktemp("finished")
     short = [a for a in RUN if not a.startswith(("max_steps", "eval_every", "log_every", "ckpt.every"))]
-    result = normlab_in_fixture("train", *short, "max_steps=10", "eval_every=5", "log_every=1", "ckpt.every=5", "ckpt.keep=3",
+    result = normlab_here("train", *short, "max_steps=10", "eval_every=5", "log_every=1", "ckpt.every=5", "ckpt.keep=3",
                      f"hydra.run.dir={root / 'run'}", cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "run"
@@ -131,7 +130,7 @@ def test_a_change_beside_resume_is_refused_in_one_line_and_changes_nothing(run_c
                                                                             capsys):
     before = snapshot(run_copy)
     for resume in (f"resume={run_copy}", f"resume={run_copy / 'checkpoints' / 'step-000005.pt'}"):
-        result = normlab_here("train", resume, *change, cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+        result = normlab_here("train", resume, *change, cwd=run_copy.parent)
         assert result.returncode == 2
         one_error_line(result.stderr, *words)
         assert snapshot(run_copy) == before  # .hydra/ included: Hydra never started
@@ -141,7 +140,7 @@ def test_a_bookkeeping_change_beside_resume_is_taken(run_copy, monkeypatch, caps
     # From the checkpoint of step 5, with other checkpointing and sinks: the rows after it equal the first run's.
     first = rows(run_copy)
     result = normlab_here("train", f"resume={run_copy / 'checkpoints' / 'step-000005.pt'}", "ckpt.keep=1",
-                          "sinks=[jsonl,csv]", cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+                          "sinks=[jsonl,csv]", cwd=run_copy.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((run_copy / "summary.json").read_text())["resumed_from_step"] == 5
     assert comparable(rows(run_copy)) == comparable(first)
@@ -150,7 +149,7 @@ def test_a_bookkeeping_change_beside_resume_is_taken(run_copy, monkeypatch, caps
 
 def test_resume_of_an_ended_run_by_its_dir_trains_nothing_and_changes_no_byte(run_copy, monkeypatch, capsys):
     before = snapshot(run_copy)
-    result = normlab_here("resume", str(run_copy), cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("resume", str(run_copy), cwd=run_copy.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     [line] = result.stderr.splitlines()
     assert "already completed" in line and "not trained again" in line and "not applied" not in line
@@ -163,10 +162,9 @@ def test_an_ended_run_launched_again_in_its_dir_keeps_its_record_and_names_what_
     before = snapshot(run_copy)
     short = [a for a in RUN if not a.startswith(("max_steps", "eval_every", "log_every", "ckpt.every"))]
     again = normlab_here("train", *short, "max_steps=10", "eval_every=5", "log_every=1", "ckpt.every=5",
-                         f"hydra.run.dir={run_copy}", cwd=run_copy.parent, monkeypatch=monkeypatch, capsys=capsys)
+                         f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
     assert again.returncode == 0 and "already completed" in again.stderr, again.stderr[-3000:]
-    resumed = normlab_here("resume", str(run_copy), "log_every=5", "ckpt.every=20", cwd=run_copy.parent,
-                           monkeypatch=monkeypatch, capsys=capsys)
+    resumed = normlab_here("resume", str(run_copy), "log_every=5", "ckpt.every=20", cwd=run_copy.parent)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     [line] = resumed.stderr.splitlines()
     assert "already completed" in line and line.endswith("not applied: log_every=5 ckpt.every=20"), line
@@ -193,15 +191,14 @@ def test_a_sweep_jobs_dir_resumes_with_its_config_dir_and_preset(tmp_path, monke
     (tmp_path / "conf" / "experiment" / "tiny_grid.yaml").write_text(PRESET)
     sweep = tmp_path / "sweep"
     result = normlab_here("train", "-m", "--config-dir", "conf", "experiment=tiny_grid", "progress=false",
-                          "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path, monkeypatch=monkeypatch,
-                          capsys=capsys)
+                          "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     # A job's dir, from elsewhere: its saved overrides (the preset's norm=rms among them) and its --config-dir.
     job = sweep / "0_rms-pre-d2-lr3e-3-s0"
-    again = normlab_here("resume", str(job), cwd=tmp_path / "conf", monkeypatch=monkeypatch, capsys=capsys)
+    again = normlab_here("resume", str(job), cwd=tmp_path / "conf")
     assert again.returncode == 0 and "already completed" in again.stderr, again.stderr[-3000:]
     # The sweep dir itself: the command that runs the sweep again there, --config-dir included.
-    result = normlab_here("resume", str(sweep), cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("resume", str(sweep), cwd=tmp_path)
     assert result.returncode == 2
     one_error_line(result.stderr, f"normlab train -m --config-dir {tmp_path / 'conf'} experiment=tiny_grid")
 
@@ -210,13 +207,13 @@ def test_a_sweep_dir_given_to_resume_names_the_command_that_continues_it(tmp_pat
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     (sweep / "multirun.yaml").write_text("hydra:\n  overrides:\n    task:\n    - norm=rms,layer\n    - lr=1e-3\n")
-    result = normlab_here("resume", str(sweep), cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("resume", str(sweep), cwd=tmp_path)
     assert result.returncode == 2
     one_error_line(result.stderr, "a sweep dir", f"normlab train -m norm=rms,layer lr=1e-3 hydra.sweep.dir={sweep}")
 
 
 def test_resume_without_a_run_dir_says_how_to_call_it(tmp_path, monkeypatch, capsys):
-    result = normlab_here("resume", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("resume", cwd=tmp_path)
     assert result.returncode == 2
     one_error_line(result.stderr, "normlab resume RUN_DIR")
     assert main(["--help"]) == 0 and "normlab resume RUN_DIR" in capsys.readouterr().out

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_here import normlab_here, normlab_in_fixture
+from cli_here import normlab_here
 from wandb_log import finished_run_records, wandb_records
 
 # Long enough (about a second of training) for the test to act while the run is in flight.
@@ -84,7 +84,7 @@ def runs(tmp_path_factory):
     }
     # The resumed and the uninterrupted run in this process: the kill is what needs a process of its own.
     for run_dir, wandb in ((dirs["killed"], "wandb.mode=offline"), (dirs["whole"], NO_WANDB)):
-        done = normlab_in_fixture("train", *RUN, wandb, f"hydra.run.dir={run_dir}", cwd=root)
+        done = normlab_here("train", *RUN, wandb, f"hydra.run.dir={run_dir}", cwd=root)
         assert done.returncode == 0, done.stderr[-3000:]
     return dirs, seen
 
@@ -159,7 +159,7 @@ def test_submitit_requeue_after_its_signal_resumes_in_the_same_dir(runs, tmp_pat
     signaller = threading.Thread(target=_usr2_once_it_logged, args=(job_dir, sweeps, sent), daemon=True)
     signaller.start()
     launcher = normlab_here("train", "-m", "hydra/launcher=submitit_local", *RUN, NO_WANDB, f"hydra.sweep.dir={sweeps}",
-                            cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+                            cwd=tmp_path)
     signaller.join(timeout=60)
     assert len(sent) == 1 and isinstance(sent[0], int), sent
     assert launcher.returncode in (0, None), launcher.stderr[-3000:]

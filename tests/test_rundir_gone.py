@@ -3,16 +3,14 @@ boundary with one line naming the dir, exit code 1, never says it completed, and
 the dir's path (no dir made again there); a sweep's job whose dir went is that job's failure."""
 
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import normlab.train.loop as loop
+from cli_here import normlab_here
 from conftest import tiny_config
-from normlab.cli import main
 from normlab.train.callbacks import Callback
 from normlab.train.run import train
 
@@ -77,23 +75,10 @@ def _delete_at_the_second_evaluation(monkeypatch, deleted):
     monkeypatch.setattr(loop, "evaluate", deleting_evaluate)
 
 
-def normlab_here(*args, cwd, monkeypatch, capsys):
-    """`normlab ARGS` in `cwd` through normlab.cli.main in this process; the exit code a job's sys.exit gives too."""
-    monkeypatch.chdir(cwd)
-    capsys.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as stopped:
-        code = stopped.code
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["normlab", *args], code, out, err)
-
-
 def test_a_run_whose_dir_is_deleted_mid_run_fails_in_one_line(tmp_path, monkeypatch, capsys):
     deleted = []
     _delete_at_the_second_evaluation(monkeypatch, deleted)
-    result = normlab_here("train", *RUN, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, monkeypatch=monkeypatch,
-                          capsys=capsys)
+    result = normlab_here("train", *RUN, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("normlab: error: ") and str(tmp_path / "run") in lines[0], lines
@@ -105,8 +90,7 @@ def test_a_sweep_job_whose_dir_went_is_that_jobs_failure_and_the_sweep_goes_on(t
     deleted = []
     _delete_at_the_second_evaluation(monkeypatch, deleted)
     sweep = tmp_path / "sweep"
-    result = normlab_here("train", "-m", *RUN, "norm=layer,rms", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
-                          monkeypatch=monkeypatch, capsys=capsys)
+    result = normlab_here("train", "-m", *RUN, "norm=layer,rms", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert result.returncode in (0, None), result.stderr[-3000:]
     failures = [line for line in result.stderr.splitlines() if line.startswith("normlab: error:")]
     assert len(failures) == 1 and "job 0" in failures[0] and str(deleted[0]) in failures[0], result.stderr[-3000:]

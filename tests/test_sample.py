@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from cli_here import normlab_in_fixture
+from cli_here import normlab_here
 from normlab.cli import main
 from normlab.config import ModelConfig
 from normlab.sample import generate
@@ -23,7 +23,7 @@ def run_dir(tmp_path_factory):
     args = ["model=tiny", "max_steps=3", "batch_size=4", "seq_len=16", "eval_batches=1", "eval_every=0",
             "telemetry.every=0", "wandb.mode=disabled", "progress=false", "device=cpu", "data=text", f"data.files=[{text}]",
             f"hydra.run.dir={out}"]
-    result = normlab_in_fixture("train", *args, cwd=root)
+    result = normlab_here("train", *args, cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 

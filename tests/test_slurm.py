@@ -21,7 +21,7 @@ import torch
 from normlab.train.checkpoint import list_checkpoints
 from normlab.launch import slurm
 from normlab.launch.slurm import refusal_message, refusal_reason
-from test_cli import normlab_here
+from cli_here import normlab_here
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "slurm_cluster.sh"

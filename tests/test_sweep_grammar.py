@@ -7,7 +7,8 @@ import json
 import pytest
 
 from normlab.cli import main
-from test_cli import TINY, normlab_here, run_dirs
+from cli_here import normlab_here
+from test_cli import TINY, run_dirs
 
 
 # What these sweeps check is Hydra's grammar, not wandb: a wandb run costs each job about two seconds.

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from test_cli import TINY, normlab_here, run_dirs
+from cli_here import normlab_here
+from test_cli import TINY, run_dirs
 from normlab.train.run import train
 
 # device=cuda is the failing job: it fails only where torch sees no CUDA.

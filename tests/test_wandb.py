@@ -175,7 +175,7 @@ def test_through_the_command_no_api_key_is_one_warning_or_one_error_line(tmp_pat
     tiny = ["model=tiny", "max_steps=2", "eval_every=1", "eval_batches=1", "batch_size=4", "seq_len=16", "progress=false"]
 
     def normlab(*args):
-        return normlab_here("train", *tiny, *args, cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+        return normlab_here("train", *tiny, *args, cwd=tmp_path)
 
     stopped = normlab("wandb.on_unreachable=stop", "hydra.run.dir=stopped")
     assert stopped.returncode == 2 and "Traceback" not in stopped.stdout + stopped.stderr

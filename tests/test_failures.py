@@ -545,18 +545,19 @@ def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_pat
     newest.write_bytes(newest.read_bytes()[:100])
     ended = snapshot(jobs[1])
 
-    again = normlab_here(*args, cwd=tmp_path)
+    again = normlab_here(*args, "ckpt.keep=7", cwd=tmp_path)  # bookkeeping: an ended run is still not trained again
     assert again.returncode == 0, again.stderr[-3000:]
     assert summary(jobs[0])["status"] == "failed" and str(newest) in summary(jobs[0])["error"]
     failures = [line for line in again.stderr.splitlines() if line.startswith("normlab: error:")]
     assert len(failures) == 1 and "job 0" in failures[0] and "unreadable checkpoint" in failures[0]
     assert "already completed" in again.stderr
-    hydras = (".hydra", "normlab.log")  # Hydra's own writes for every job it launches
-    # Not the job's: wandb/offline-run-*/logs/debug-core.log links to ~/.cache/wandb/logs/core-debug-<second>.log,
-    # the log of the wandb service, which every service started in that second on the machine writes.
+    # The ended job's dir byte for byte, .hydra/ and normlab.log included (Hydra's run_job would rewrite and append
+    # to them). Not the job's: wandb/offline-run-*/logs/debug-core.log links to ~/.cache/wandb/logs/core-debug-
+    # <second>.log, the log of the wandb service, which every service started in that second on the machine writes.
     linked = {k for k in ended if (jobs[1] / k).is_symlink()}
-    assert {k: v for k, v in snapshot(jobs[1]).items() if not k.startswith(hydras) and k not in linked} == {
-        k: v for k, v in ended.items() if not k.startswith(hydras) and k not in linked}
+    assert {k: v for k, v in snapshot(jobs[1]).items() if k not in linked} == {
+        k: v for k, v in ended.items() if k not in linked}
+    assert any(line.startswith("job 1 ") and ": completed" in line for line in again.stdout.splitlines())  # its line
     assert sorted((jobs[1] / "wandb").glob("offline-run-*")) == wandb_runs[jobs[1]]  # no second wandb run
 
 

@@ -59,7 +59,7 @@ from omegaconf.basecontainer import BaseContainer
 
 from normlab.config import RunConfig
 from normlab.config.packing import pack_groups
-from normlab.launch.task import member_result, pack_member, train_members
+from normlab.launch.task import ended_job, member_result, pack_member, train_members
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,8 @@ def run_unit(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, t
     if len(unit) > 1:
         return run_pack(unit, hydra_context, config)
     [(idx, overrides)] = unit
-    return [_run(hydra_context, task_function, _compose(hydra_context, config, idx, overrides))]
+    sweep_config = _compose(hydra_context, config, idx, overrides)
+    return [ended_job(hydra_context, sweep_config) or _run(hydra_context, task_function, sweep_config)]
 
 
 def run_pack(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config) -> list[JobReturn]:
@@ -309,17 +310,16 @@ class NormlabLauncher(BasicLauncher):
         slots = plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)[: len(units)]
         if len(slots) > 1:
             return self._launch_concurrently(units, slots)
-        if len(units) == len(jobs):
-            return super().launch(job_overrides, initial_job_idx)
-        return self._launch_packs(units)
+        return self._launch_in_turn(units)
 
-    def _launch_packs(self, units: list) -> list[JobReturn]:
-        """The units one after another in this process, as Hydra's basic launcher runs its jobs."""
+    def _launch_in_turn(self, units: list) -> list[JobReturn]:
+        """The units one after another in this process, as Hydra's basic launcher runs its jobs (and says so), but
+        through run_unit: a job whose run already ended is answered without Hydra's run_job (task.ended_job)."""
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         packs = sum(len(unit) > 1 for unit in units)
-        log.info(f"Launching {sum(len(u) for u in units)} jobs ({packs} packs among them), one after another in this process")
+        log.info(f"Launching {sum(len(u) for u in units)} jobs " + (f"({packs} packs among them), one after another in this process" if packs else "locally"))
         returns = []
         for unit in units:
             for idx, overrides in unit:

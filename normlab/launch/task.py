@@ -17,6 +17,7 @@ this module and must answer at once.
 from __future__ import annotations
 
 import atexit
+import copy
 import functools
 import gc
 import logging
@@ -27,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 import normlab.train.preempt as preempt
 from normlab.config import ConfigError, RunConfig
@@ -133,6 +135,34 @@ def ended_loss(run_cfg: RunConfig, output_dir: str) -> float | None:
     # A re-run sweep: the job is done, and a second wandb run would only confuse its records.
     print(ended_line(run_cfg, output_dir, ended), file=sys.stderr)
     return final_loss(ended)
+
+
+def ended_job(hydra_context, sweep_config: DictConfig) -> JobReturn | None:
+    """A sweep job whose run already ended in its dir with this config, answered without Hydra's run_job, which
+    would rewrite the dir's .hydra/ and append to its normlab.log: ended_loss's line, the callbacks' on_job_end
+    (the sweep's line for the job) and a JobReturn as run_job gives it, so the dir stays byte for byte as it was.
+    None for any other job (a bad config too: run_job reports it)."""
+    runtime = sweep_config.hydra
+    output_dir = os.path.abspath(os.path.join(str(runtime.sweep.dir), str(runtime.sweep.subdir)))
+    if not os.path.isfile(os.path.join(output_dir, "summary.json")):
+        return None
+    with read_write(runtime.runtime), open_dict(runtime.runtime):
+        runtime.runtime.output_dir = output_dir  # as run_job sets it
+    HydraConfig.instance().set_config(sweep_config)
+    task_cfg = copy.deepcopy(sweep_config)
+    with read_write(task_cfg), open_dict(task_cfg):
+        del task_cfg["hydra"]
+    try:
+        loss = ended_loss(job_config(task_cfg), output_dir)
+    except ConfigError:
+        return None
+    if loss is None:
+        return None
+    ret = JobReturn(overrides=list(runtime.overrides.task), cfg=task_cfg, status=JobStatus.COMPLETED,
+                    hydra_cfg=copy.deepcopy(HydraConfig.instance().cfg), _return_value=loss,
+                    working_dir=output_dir if runtime.job.chdir else os.getcwd(), task_name=str(runtime.job.name))
+    hydra_context.callbacks.on_job_end(config=sweep_config, job_return=ret)
+    return ret
 
 
 def settle_garbage() -> None:

@@ -188,6 +188,7 @@ def run_stage(stage: Stage, budget: float, smoke: bool, log, scratch: Path, sign
     try:
         signals.waiting = True
         if signals.received:  # it came while the stage was starting (the main loop checks before each stage)
+            signals.waiting = False
             raise CutOff(signal.Signals(signals.received).name)
         code = proc.wait(timeout=budget)
         signals.waiting = False

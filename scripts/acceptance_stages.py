@@ -178,9 +178,9 @@ def telemetry(ctx: Context) -> None:
 
 
 def normlab_env(ctx: Context) -> dict[str, str]:
-    from startup import ENV
+    from startup import script_env
 
-    return {**ENV, "OMP_NUM_THREADS": "1"} if ctx.smoke else dict(ENV)  # one thread: bit-exact CPU reductions
+    return {**script_env(), "OMP_NUM_THREADS": "1"} if ctx.smoke else script_env()  # one thread: bit-exact CPU reductions
 
 
 def largest_difference(a: list[dict], b: list[dict], keys: tuple[str, ...]) -> float:

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from startup import ENV, normlab_command
+from startup import normlab_command, script_env
 
 from normlab import keys
 from normlab.config import RunConfig, nest_config
@@ -149,7 +149,7 @@ def timed_command(sweep: Path, out: Path) -> tuple[float, float]:
     """Wall and CPU seconds (user + system) of `normlab compare` as a command. On a loaded machine the wall
     time grows with the load; the CPU time is what the command would take on an idle core."""
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    subprocess.run([*normlab_command(), "compare", str(sweep), "--out", str(out)], env=ENV, check=True,
+    subprocess.run([*normlab_command(), "compare", str(sweep), "--out", str(out)], env=script_env(), check=True,
                    stdout=subprocess.DEVNULL)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.perf_counter() - start, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime

@@ -27,8 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ENV = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "WANDB_SILENT": "true",
-       "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+def script_env() -> dict[str, str]:
+    """The environment of the commands a script starts: this process's as it is now (read at each call, so a
+    caller that changed it since the import is heard), offline, wandb silent."""
+    return {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "WANDB_SILENT": "true",
+            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def normlab_command() -> list[str]:
@@ -39,7 +42,7 @@ def normlab_command() -> list[str]:
 
 def timed(args: list[str]) -> float:
     t = time.perf_counter()
-    subprocess.run(args, env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(args, env=script_env(), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - t
 
 
@@ -96,7 +99,7 @@ def main() -> int:
           f"start, {' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end")
     for what, seconds in help_s.items():
         print(f"{what:<26}{seconds:>7.2f} s  (median of {args.repeats}; target <= 2 s)")
-    print(f"jobs: {' '.join(job)}, wandb {ENV['WANDB_MODE']}")
+    print(f"jobs: {' '.join(job)}, wandb {script_env()['WANDB_MODE']}")
     print(f"single run: {single_wall:.2f} s wall, {step_time(single):.2f} s of training steps and evaluations, "
           f"overhead {single_wall - step_time(single):.2f} s (of which inside train(): "
           f"{single['wall_time_s'] - step_time(single):.2f} s)")

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from startup import ENV, normlab_command
+from startup import normlab_command, script_env
 
 SWEEP = ["norm=none,layer,rms,batch", "placement=pre,post", "model=medium", "max_steps=300"]
 
@@ -30,7 +30,7 @@ def run_sweep(normlab: list[str], overrides: list[str], sweep_dir: Path) -> tupl
     import subprocess
 
     start = time.perf_counter()
-    subprocess.run([*normlab, "train", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"], env=ENV, check=True,
+    subprocess.run([*normlab, "train", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"], env=script_env(), check=True,
                    stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
     jobs = {}
@@ -71,7 +71,7 @@ def main() -> int:
     normlab = normlab_command()
     overrides = args.overrides or SWEEP
     reference = None
-    print(f"sweep: {' '.join(overrides)}; CUDA_VISIBLE_DEVICES={ENV.get('CUDA_VISIBLE_DEVICES', '(all)')}")
+    print(f"sweep: {' '.join(overrides)}; CUDA_VISIBLE_DEVICES={script_env().get('CUDA_VISIBLE_DEVICES', '(all)')}")
     with tempfile.TemporaryDirectory() as tmp:
         # Warm the token cache and the kernels' first-use costs out of the timings.
         run_sweep(normlab, [o.split(",")[0] for o in overrides] + ["max_steps=2"], Path(tmp) / "warm")

@@ -37,18 +37,23 @@ def exit_code(call: Callable[[], int | None]) -> int:
 
 def in_process(argv: list[str], call: Callable[[], int | None], cwd, env: dict) -> subprocess.CompletedProcess:
     """`call()` run in `cwd` under the environment `env`, as a CompletedProcess named `argv`: its exit code and
-    what it wrote to stdout and stderr, at the file descriptors too (what the launcher's worker processes inherit).
-    The cwd, the environment, sys.argv and sys.path, torch's threads, determinism and TF32 flag, and the handlers
-    of the root and normlab loggers (Hydra's job logging, bound to the captured streams) are put back after."""
+    what it wrote to stdout and stderr, at the file descriptors too (what the launcher's worker processes inherit);
+    torch's threads as OMP_NUM_THREADS in `env` sets them for a new process.
+    The cwd, the environment, sys.argv and sys.path, torch's threads, determinism and TF32 flag, and the handlers,
+    level and state of the root and normlab loggers (Hydra's job logging replaces them) are put back after."""
     saved = os.getcwd(), dict(os.environ), sys.argv, list(sys.path)
-    torch_state = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32
-    loggers = {logger: list(logger.handlers) for logger in (logging.getLogger(), logging.getLogger("normlab"))}
+    torch_state = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+                   torch.backends.cuda.matmul.allow_tf32)
+    loggers = {logger: (list(logger.handlers), logger.level, logger.disabled)
+               for logger in (logging.getLogger(), logging.getLogger("normlab"))}
     with tempfile.TemporaryDirectory() as captured:
         out, err = Path(captured, "stdout"), Path(captured, "stderr")
         try:
             os.chdir(cwd)
             os.environ.clear()
             os.environ.update(env)
+            if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+                torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # as a process started with it would
             sys.argv = list(sys.argv)
             with _written_to(out, 1, "stdout"), _written_to(err, 2, "stderr"):
                 code = exit_code(call)
@@ -60,9 +65,8 @@ def in_process(argv: list[str], call: Callable[[], int | None], cwd, env: dict) 
             torch.set_num_threads(torch_state[0])
             torch.use_deterministic_algorithms(torch_state[1])
             torch.backends.cuda.matmul.allow_tf32 = torch_state[2]
-            for logger, handlers in loggers.items():
-                for handler in [h for h in logger.handlers if h not in handlers]:
-                    logger.removeHandler(handler)
+            for logger, (handlers, level, disabled) in loggers.items():  # Hydra's dictConfig replaced them
+                logger.handlers[:], logger.level, logger.disabled = handlers, level, disabled
         return subprocess.CompletedProcess(argv, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 

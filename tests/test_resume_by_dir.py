@@ -88,9 +88,10 @@ def test_a_stopped_run_continues_from_its_dir_alone_and_equals_the_uninterrupted
     again = start(*command[1:], cwd=tmp_path / "my runs")
     sigterm_after_a_checkpoint(again, run_dir, after=stopped_at)
     # Then as `normlab train resume=<its dir>`, again alone: the replayed overrides were saved once more.
-    last = normlab_here("train", f"resume={run_dir}", cwd=tmp_path)
+    last = normlab_here("train", f"resume={run_dir}", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert last.returncode == 0, last.stderr[-3000:]
-    whole = normlab_here("train", *RUN, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
+    whole = normlab_here("train", *RUN, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path,
+                         env={"OMP_NUM_THREADS": "1"})
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     summary = json.loads((run_dir / "summary.json").read_text())

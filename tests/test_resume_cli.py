@@ -84,7 +84,7 @@ def runs(tmp_path_factory):
     }
     # The resumed and the uninterrupted run in this process: the kill is what needs a process of its own.
     for run_dir, wandb in ((dirs["killed"], "wandb.mode=offline"), (dirs["whole"], NO_WANDB)):
-        done = normlab_here("train", *RUN, wandb, f"hydra.run.dir={run_dir}", cwd=root)
+        done = normlab_here("train", *RUN, wandb, f"hydra.run.dir={run_dir}", cwd=root, env={"OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-3000:]
     return dirs, seen
 

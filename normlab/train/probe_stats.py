@@ -79,9 +79,14 @@ def feature_kurtosis(square_sums: list[float]) -> float:
 
 def lower_median(a: torch.Tensor) -> torch.Tensor:
     """The median over the last dimension as torch.median takes it (for an even count the lower of the two middle
-    values), read off a sort: torch.median's CUDA kernel also returns indices and has no deterministic
-    implementation, so under deterministic=true it raises; sorted values are the same in any mode. Where a row
-    holds a NaN the caller's amax is NaN, so the ratio is NaN as it is with torch.median."""
+    values). On CUDA it is read off a sort: torch.median's CUDA kernel also returns indices and has no
+    deterministic implementation, so under deterministic=true it raises. On the CPU torch.median, faster there
+    (one thread: 0.035 s against 0.27 s for 4 rows of 786k, 0.039 s against 0.14 s for 4096 rows of 768). Where a row holds a NaN the caller's amax is NaN, so the ratio is NaN either way."""
+    return sorted_lower_median(a) if a.is_cuda else a.median(-1).values
+
+
+def sorted_lower_median(a: torch.Tensor) -> torch.Tensor:
+    """lower_median read off a sort, as on CUDA."""
     return a.sort(-1).values[..., (a.size(-1) - 1) // 2]
 
 

@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 def script_env() -> dict[str, str]:
     """The environment of the commands a script starts: this process's as it is now (read at each call, so a
     caller that changed it since the import is heard), offline, wandb silent."""

@@ -142,12 +142,12 @@ def ended_job(hydra_context, sweep_config: DictConfig) -> JobReturn | None:
     would rewrite the dir's .hydra/ and append to its normlab.log: ended_loss's line, the callbacks' on_job_end
     (the sweep's line for the job) and a JobReturn as run_job gives it, so the dir stays byte for byte as it was.
     None for any other job (a bad config too: run_job reports it)."""
-    runtime = sweep_config.hydra
-    output_dir = os.path.abspath(os.path.join(str(runtime.sweep.dir), str(runtime.sweep.subdir)))
+    hydra = sweep_config.hydra
+    output_dir = os.path.abspath(os.path.join(str(hydra.sweep.dir), str(hydra.sweep.subdir)))
     if not os.path.isfile(os.path.join(output_dir, "summary.json")):
         return None
-    with read_write(runtime.runtime), open_dict(runtime.runtime):
-        runtime.runtime.output_dir = output_dir  # as run_job sets it
+    with read_write(hydra.runtime), open_dict(hydra.runtime):
+        hydra.runtime.output_dir = output_dir  # as run_job sets it
     HydraConfig.instance().set_config(sweep_config)
     task_cfg = copy.deepcopy(sweep_config)
     with read_write(task_cfg), open_dict(task_cfg):
@@ -158,9 +158,9 @@ def ended_job(hydra_context, sweep_config: DictConfig) -> JobReturn | None:
         return None
     if loss is None:
         return None
-    ret = JobReturn(overrides=list(runtime.overrides.task), cfg=task_cfg, status=JobStatus.COMPLETED,
+    ret = JobReturn(overrides=list(hydra.overrides.task), cfg=task_cfg, status=JobStatus.COMPLETED,
                     hydra_cfg=copy.deepcopy(HydraConfig.instance().cfg), _return_value=loss,
-                    working_dir=output_dir if runtime.job.chdir else os.getcwd(), task_name=str(runtime.job.name))
+                    working_dir=output_dir if hydra.job.chdir else os.getcwd(), task_name=str(hydra.job.name))
     hydra_context.callbacks.on_job_end(config=sweep_config, job_return=ret)
     return ret
 

@@ -59,6 +59,7 @@ from omegaconf.basecontainer import BaseContainer
 from normlab.config import RunConfig
 from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
+from normlab.launch.mps import sweep_mps
 from normlab.launch.task import ended_job, member_result, pack_member, train_members
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,20 @@ log = logging.getLogger(__name__)
 # took 106 s one job at a time and 47 s with 4 at once (joblib); scripts/sweep_bench.py measures
 # 1, 2, 4 and 8 to settle the default on a given GPU. conf/hydra/launcher/normlab.yaml sets the same.
 JOBS_PER_GPU = 4
+# Whether a sweep with several jobs on a GPU runs them under NVIDIA MPS (normlab.launch.mps): "auto" starts a
+# daemon of the sweep's own when more than one job shares a GPU and none is running; false never does.
+MPS = "auto"
+
+
+def wants_mps(setting: Any, slots: Sequence[Optional[str]]) -> bool:
+    """Whether the sweep's worker `slots` should run under MPS: `setting` (hydra.launcher.mps: auto, true or
+    false) and, for auto, more than one slot on one GPU."""
+    if setting is None or str(setting).lower() not in ("auto", "true", "false"):
+        raise ValueError(f"hydra.launcher.mps={setting!r}: must be auto, true or false")
+    on_gpu = [slot for slot in slots if slot is not None]
+    if not on_gpu or str(setting).lower() == "false":
+        return False
+    return str(setting).lower() == "true" or len(on_gpu) > len(set(on_gpu))
 
 
 def visible_gpus(devices: Optional[Sequence[Any]] = None) -> list[str]:
@@ -103,8 +118,10 @@ def threads_per_job(concurrent: int) -> int:
     return max(1, cores // concurrent)
 
 
-def _pin_worker(gpu: Optional[str], threads: int, memory_fraction: float) -> None:
-    """A worker's start: pin it to its GPU and its share of the CPU threads before torch is imported."""
+def _pin_worker(gpu: Optional[str], threads: int, memory_fraction: float, env: Optional[dict] = None) -> None:
+    """A worker's start: pin it to its GPU and its share of the CPU threads, and point it to the sweep's MPS
+    daemon (`env`), before torch is imported."""
+    os.environ.update(env or {})
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -249,9 +266,10 @@ def _picklable(ret: JobReturn) -> JobReturn:
 class NormlabLauncher(BasicLauncher):
     """Runs a sweep's jobs concurrently over GPU slots (see the module's docstring); one slot: sequentially."""
 
-    def __init__(self, jobs_per_gpu: int = JOBS_PER_GPU, cpu_jobs: int = 1, devices: Optional[List[str]] = None) -> None:
+    def __init__(self, jobs_per_gpu: int = JOBS_PER_GPU, cpu_jobs: int = 1, devices: Optional[List[str]] = None,
+                 mps: Any = MPS) -> None:
         super().__init__()
-        self.jobs_per_gpu, self.cpu_jobs, self.devices = jobs_per_gpu, cpu_jobs, devices
+        self.jobs_per_gpu, self.cpu_jobs, self.devices, self.mps = jobs_per_gpu, cpu_jobs, devices, mps
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
@@ -278,7 +296,11 @@ class NormlabLauncher(BasicLauncher):
             units = pack_units(self.hydra_context, self.config, jobs)
         slots = plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)[: len(units)]
         if len(slots) > 1:
-            return self._launch_concurrently(units, slots)
+            sweep_dir = Path(str(self.config.hydra.sweep.dir))
+            with sweep_mps(sweep_dir, wants_mps(self.mps, slots)) as mps:
+                if mps.line:
+                    log.info(mps.line)
+                return self._launch_concurrently(units, slots, mps.env)
         return self._launch_in_turn(units)
 
     def _launch_in_turn(self, units: list) -> list[JobReturn]:
@@ -297,7 +319,7 @@ class NormlabLauncher(BasicLauncher):
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return [ret for _, ret in sorted(returns, key=lambda pair: pair[0])]
 
-    def _launch_concurrently(self, units: list, slots: list) -> list[JobReturn]:
+    def _launch_concurrently(self, units: list, slots: list, env: dict) -> list[JobReturn]:
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
@@ -308,7 +330,7 @@ class NormlabLauncher(BasicLauncher):
         threads = threads_per_job(len(slots))
         fraction = 0.95 / max(1, slots.count(slots[0]))  # each job's share of its GPU's memory
         context = get_context("spawn")  # a fresh interpreter per worker: CUDA state is never forked
-        workers = [ProcessPoolExecutor(1, context, initializer=_pin_worker, initargs=(gpu, threads, fraction)) for gpu in slots]
+        workers = [ProcessPoolExecutor(1, context, initializer=_pin_worker, initargs=(gpu, threads, fraction, env)) for gpu in slots]
         pending = units[::-1]
         running: dict = {}
         returns: dict[int, JobReturn] = {}
@@ -347,7 +369,7 @@ class NormlabLauncher(BasicLauncher):
                         returns.update((idx, _failed(idx, err)) for idx in idxs)
                         workers[slot].shutdown(wait=False)  # a broken pool takes no more jobs: a fresh worker
                         workers[slot] = ProcessPoolExecutor(1, context, initializer=_pin_worker,
-                                                            initargs=(slots[slot], threads, fraction))
+                                                            initargs=(slots[slot], threads, fraction, env))
         finally:
             for worker in workers:
                 worker.shutdown(wait=True, cancel_futures=True)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "python scripts/gpu_acceptance.py"
 # Keys of metrics.jsonl rows and summary.json that are times, not results: they differ between any two runs.
-TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step")
+TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step", "phases")
 # What --smoke changes in a `normlab train` command: a 2-block, 32-wide model, 4 × 16 tokens, a few steps, the CPU,
 # no wandb (an offline wandb run costs a job a second or two, and the packed sweep has 21).
 SMOKE_RUN = {"model": "tiny", "batch_size": "4", "seq_len": "16", "eval_batches": "1", "max_steps": "4",

@@ -9,11 +9,13 @@ counters. The learning-rate schedule is a pure function of the step, so the step
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from normlab.train.phases import Phases
 
 # The loop's counters, saved and restored with the state: so the summary of a resumed run equals an
 # uninterrupted one's.
@@ -42,6 +44,7 @@ class TrainState:
     loss: torch.Tensor | None = None  # the batch's mean training loss, on the device
     grad_norm: torch.Tensor | None = None  # the total gradient norm before clipping, on the device
     watched: bool = False  # a callback watches this step: it runs the eager model and its record is logged
+    phases: Phases = field(default_factory=Phases)  # this process's seconds by phase (summary.json's phases)
 
     def state_dict(self) -> dict[str, Any]:
         return {

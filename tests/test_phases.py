@@ -78,3 +78,15 @@ def test_phases_add_and_time():
         time.sleep(0.01)
     record = phases.record()
     assert record["eval"] == 0.75 and 0.01 <= record["train"] < 1.0
+
+
+def test_a_packs_members_record_the_packs_phases(tmp_path):
+    from normlab.train.pack import train_pack
+
+    members = [(tiny_config(lr=lr, max_steps=3, sinks=["jsonl"]), tmp_path / f"m{i}") for i, lr in enumerate((1e-3, 2e-3))]
+    summaries = train_pack(members)
+    for summary in summaries:
+        phases = summary["phases"]
+        assert {"setup", "data", "sinks", "train"} <= set(phases)
+        covered = sum(phases.values()) - phases.get("startup", 0.0)
+        assert covered == pytest.approx(summary["wall_time_s"], rel=0.05)

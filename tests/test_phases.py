@@ -90,3 +90,13 @@ def test_a_packs_members_record_the_packs_phases(tmp_path):
         assert {"setup", "data", "sinks", "train"} <= set(phases)
         covered = sum(phases.values()) - phases.get("startup", 0.0)
         assert covered == pytest.approx(summary["wall_time_s"], rel=0.05)
+
+
+def test_the_sweeps_line_sums_the_jobs_phases_counting_a_pack_once():
+    from normlab.launch.sweep_log import phase_totals
+
+    alone = {"phases": {"train": 6.0, "startup": 2.0}}
+    pack = {"phases": {"train": 9.0, "startup": 1.0}, "phases_shared_by": 3}
+    line = phase_totals([alone, pack, pack, pack, None, {"status": "failed"}])
+    assert line == "time by phase, summed over the jobs: train 15.0 s (83%), startup 3.0 s (17%)"
+    assert phase_totals([{"status": "completed"}]) == ""

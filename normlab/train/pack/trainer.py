@@ -125,6 +125,7 @@ def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
         preempt.training_started()
         troubles = []
         for member, summary in zip(members, summaries):
+            summary["phases_shared_by"] = len(members)  # the pack's phases: a sweep's totals count them once
             troubles.append(record_end(member.run_dir, summary, member.sinks, exit_code, phases, started))
         run_ended()
     trouble = next((t for t in troubles if t is not None), None)

@@ -29,7 +29,7 @@ from normlab.config import RunConfig
 from normlab.data import Corpus, bits_per_byte, eval_batches, sample_batch, target_bytes
 from normlab.train.callbacks import Callback, Diverged
 from normlab.train.optim import lr_at
-from normlab.train.runtime import autocast
+from normlab.train.runtime import autocast, hold_gradients
 from normlab.train.sinks import Sink
 from normlab.train.state import TrainState
 
@@ -158,6 +158,7 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
     eager, fast = models
     device = next(state.model.parameters()).device
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    keep_grads = hold_gradients(cfg, state.model, device)  # zeroed, not freed, after each step
     state.model.train()
     first, started, aside = state.step, time.perf_counter(), _set_aside(state)
     try:
@@ -186,7 +187,7 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
             _call(callbacks, "before_optimizer_step", state)
             state.scaler.step(state.optimizer)
             state.scaler.update()
-            state.optimizer.zero_grad(set_to_none=True)
+            state.optimizer.zero_grad(set_to_none=not keep_grads)
             state.step, state.tokens = step + 1, state.tokens + cfg.batch_size * cfg.seq_len
 
             logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record or state.watched

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import os
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from normlab.launch import mps as mps_module
-from normlab.launch.launcher import _pin_worker, wants_mps
-from normlab.launch.mps import Mps, daemon_alive, daemon_dirs, running_daemon, sweep_mps
+from normlab.launch.launcher import _pin_worker
+from normlab.launch.mps import Mps, daemon_alive, daemon_dirs, running_daemon, runs_cuda_graphs, sweep_mps, wants_mps
 
 # A stand-in control program: `-d` starts a "daemon" (a sleeping process) whose control pipe and pid file are in
-# $CUDA_MPS_PIPE_DIRECTORY, as the real one's are; "quit" on stdin ends it. Every call is logged with its
-# arguments, stdin and the two MPS variables.
+# $CUDA_MPS_PIPE_DIRECTORY, as the real one's are; "get_server_list" lists no server; "quit" on stdin ends it
+# (unless FAKE_MPS_STUCK is set: a daemon that never lets go). Every call is logged with its arguments, stdin
+# and the two MPS variables.
 FAKE = textwrap.dedent("""\
     #!/usr/bin/env bash
     input=$(cat)
@@ -25,7 +27,7 @@ FAKE = textwrap.dedent("""\
         mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"
         sleep 300 </dev/null >/dev/null 2>&1 &
         echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
-    elif [ "$input" = "quit" ]; then
+    elif [ "$input" = "quit" ] && [ -z "$FAKE_MPS_STUCK" ]; then
         kill "$(cat "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid")"
         rm -f "$CUDA_MPS_PIPE_DIRECTORY/control" "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
     fi
@@ -56,7 +58,8 @@ def test_the_sweeps_own_daemon_runs_with_its_dirs_under_the_sweep_dir_and_stops_
         assert daemon_alive(pipe) and logs.is_dir()
         assert mps.line.startswith("MPS: a control daemon for this sweep")
     assert not daemon_alive(pipe)
-    assert fake_control() == [f"args=-d stdin= pipe={pipe} log={logs}", f"args= stdin=quit pipe={pipe} log={logs}"]
+    assert fake_control() == [f"args=-d stdin= pipe={pipe} log={logs}", f"args= stdin=get_server_list pipe={pipe} log={logs}",
+                              f"args= stdin=quit pipe={pipe} log={logs}"]
 
 
 def test_the_daemon_stops_when_the_sweep_fails_or_is_interrupted(tmp_path, fake_control, monkeypatch):
@@ -67,7 +70,7 @@ def test_the_daemon_stops_when_the_sweep_fails_or_is_interrupted(tmp_path, fake_
                 pipe = mps.pipe_dir
                 raise error
         assert not daemon_alive(pipe)
-    assert [line.split(" ")[1] for line in fake_control()] == ["stdin=", "stdin=quit"] * 2
+    assert [line.split(" ")[1] for line in fake_control()] == ["stdin=", "stdin=get_server_list", "stdin=quit"] * 2
 
 
 def test_a_daemon_whose_client_cannot_connect_is_stopped_and_the_sweep_runs_plain(tmp_path, fake_control, monkeypatch):
@@ -75,7 +78,7 @@ def test_a_daemon_whose_client_cannot_connect_is_stopped_and_the_sweep_runs_plai
     with sweep_mps(tmp_path / "s", wanted=True) as mps:
         assert not mps.active and mps.env == {}
         assert mps.line == "MPS: could not start (cuInit returned CUDA error 805); the jobs share each GPU time-sliced"
-    assert len(fake_control()) == 2 and fake_control()[1].startswith("args= stdin=quit")
+    assert [line.split(" ")[1] for line in fake_control()] == ["stdin=", "stdin=get_server_list", "stdin=quit"]
     assert not daemon_alive(tmp_path / "s" / ".mps" / "pipe")
 
 
@@ -128,13 +131,46 @@ def test_not_wanted_means_no_daemon(tmp_path, fake_control):
     assert fake_control() == [] and not (tmp_path / "s").exists()
 
 
+def test_a_daemon_that_does_not_quit_is_killed(tmp_path, fake_control, monkeypatch):
+    monkeypatch.setattr(mps_module, "client_check", lambda env: None)
+    monkeypatch.setenv("FAKE_MPS_STUCK", "1")
+    mps = mps_module.start_daemon(tmp_path / "s")
+    pid = int((mps.pipe_dir / "nvidia-cuda-mps-control.pid").read_text())
+    mps.stop(timeout=0.3)
+
+    def state() -> str:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return "gone"
+
+    deadline = time.monotonic() + 5
+    while state() not in ("Z", "gone") and time.monotonic() < deadline:  # SIGKILL lands when it is next scheduled
+        time.sleep(0.01)
+    assert state() in ("Z", "gone")  # killed (a zombie until its new parent reaps it)
+
+
 def test_which_sweeps_want_mps():
-    assert wants_mps("auto", ["0", "0"]) and wants_mps("auto", ["0", "1", "0", "1"])
-    assert not wants_mps("auto", ["0", "1"])  # one job on each GPU: nothing to share
-    assert not wants_mps("auto", [None, None])  # the CPU's slots
-    assert wants_mps(True, ["0", "1"]) and wants_mps("true", ["0"]) and not wants_mps(False, ["0", "0"])
+    assert wants_mps("auto", ["0", "0"], cuda_graphs=True) and wants_mps("auto", ["0", "1", "0", "1"], cuda_graphs=True)
+    assert not wants_mps("auto", ["0", "0"], cuda_graphs=False)  # eager jobs gain nothing from it (docs/speed.md)
+    assert not wants_mps("auto", ["0", "1"], cuda_graphs=True)  # one job on each GPU: nothing to share
+    assert not wants_mps("auto", [None, None], cuda_graphs=True)  # the CPU's slots
+    assert wants_mps(True, ["0", "0"], cuda_graphs=False) and wants_mps("true", ["1", "1"], cuda_graphs=False)
+    assert not wants_mps("true", ["0"], cuda_graphs=True) and not wants_mps(False, ["0", "0"], cuda_graphs=True)
     with pytest.raises(ValueError, match="hydra.launcher.mps='sometimes': must be auto, true or false"):
-        wants_mps("sometimes", ["0", "0"])
+        wants_mps("sometimes", ["0", "0"], cuda_graphs=True)
+
+
+def test_which_sweeps_run_cuda_graphs():
+    from omegaconf import OmegaConf
+
+    eager = OmegaConf.create({"compile": False, "compile_mode": "reduce-overhead"})
+    assert not runs_cuda_graphs(eager, [["norm=rms"], ["norm=layer"]])
+    assert runs_cuda_graphs(eager, [["norm=rms"], ["norm=layer", "compile=true"]])
+    compiled = OmegaConf.create({"compile": True, "compile_mode": "default"})
+    assert not runs_cuda_graphs(compiled, [["lr=1e-3"]])
+    assert runs_cuda_graphs(compiled, [["lr=1e-3", "compile_mode=reduce-overhead"]])
+    assert runs_cuda_graphs(OmegaConf.create({"compile": True, "compile_mode": "reduce-overhead"}), [["lr=1e-3"]])
 
 
 def test_a_worker_gets_the_daemons_environment_before_torch(monkeypatch):

@@ -59,7 +59,7 @@ from omegaconf.basecontainer import BaseContainer
 from normlab.config import RunConfig
 from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
-from normlab.launch.mps import sweep_mps
+from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
 from normlab.launch.task import ended_job, member_result, pack_member, train_members
 
 log = logging.getLogger(__name__)
@@ -68,22 +68,6 @@ log = logging.getLogger(__name__)
 # took 106 s one job at a time and 47 s with 4 at once (joblib); scripts/sweep_bench.py measures
 # 1, 2, 4 and 8 to settle the default on a given GPU. conf/hydra/launcher/normlab.yaml sets the same.
 JOBS_PER_GPU = 4
-# Whether a sweep with several jobs on a GPU runs them under NVIDIA MPS (normlab.launch.mps): "auto" starts a
-# daemon of the sweep's own when more than one job shares a GPU and none is running; false never does.
-MPS = "auto"
-
-
-def wants_mps(setting: Any, slots: Sequence[Optional[str]]) -> bool:
-    """Whether the sweep's worker `slots` should run under MPS: `setting` (hydra.launcher.mps: auto, true or
-    false) and, for auto, more than one slot on one GPU."""
-    if setting is None or str(setting).lower() not in ("auto", "true", "false"):
-        raise ValueError(f"hydra.launcher.mps={setting!r}: must be auto, true or false")
-    on_gpu = [slot for slot in slots if slot is not None]
-    if not on_gpu or str(setting).lower() == "false":
-        return False
-    return str(setting).lower() == "true" or len(on_gpu) > len(set(on_gpu))
-
-
 def visible_gpus(devices: Optional[Sequence[Any]] = None) -> list[str]:
     """The GPUs a sweep may use, as CUDA_VISIBLE_DEVICES entries: `devices` when given, else the
     entries of CUDA_VISIBLE_DEVICES when it is set, else every GPU torch sees ([] without CUDA)."""
@@ -297,7 +281,7 @@ class NormlabLauncher(BasicLauncher):
         slots = plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)[: len(units)]
         if len(slots) > 1:
             sweep_dir = Path(str(self.config.hydra.sweep.dir))
-            with sweep_mps(sweep_dir, wants_mps(self.mps, slots)) as mps:
+            with sweep_mps(sweep_dir, wants_mps(self.mps, slots, runs_cuda_graphs(self.config, job_overrides))) as mps:
                 if mps.line:
                     log.info(mps.line)
                 return self._launch_concurrently(units, slots, mps.env)

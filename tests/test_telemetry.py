@@ -333,7 +333,8 @@ def expected_keys(model: GPT) -> set[str]:
     for i, block in enumerate(model.blocks):
         L = f"L{i:02d}"
         keys |= {f"act/resid_rms/{L}", f"act/resid_max/{L}", f"grad/resid_rms/{L}", f"attn/logit_max/{L}", f"attn/entropy/{L}"}
-        stream_stats = ("block_angle", "block_angle_last", "token_cos", "kurtosis", "max_median", "max_median_max", "top_median")
+        stream_stats = ("block_angle", "block_angle_last", "token_cos", "kurtosis", "max_median", "max_median_max", "top_median",
+                        "top_median_max")
         keys |= {f"act/{stat}/{L}" for stat in stream_stats}
         keys.add(f"attn/entropy_min/{L}")
         for part in ("attn", "mlp"):

@@ -25,6 +25,7 @@ from normlab.train.probe_stats import (
     max_median_ratios,
     max_median_sum,
     token_cos_sum,
+    top_median_ratios,
     top_median_sum,
 )
 from normlab.train.run import train
@@ -35,7 +36,7 @@ from test_wandb import OfflineRun, no_user_wandb_settings  # noqa: F401  (a fixt
 from test_wandb import _cfg as wandb_cfg
 
 NEW_STATS = ("act/block_angle", "act/block_angle_last", "act/token_cos", "act/kurtosis", "act/max_median",
-             "act/max_median_max", "act/top_median", "attn/entropy_min")
+             "act/max_median_max", "act/top_median", "act/top_median_max", "attn/entropy_min")
 
 
 # ---------------------------------------------------------------- by hand, one value at a time
@@ -161,6 +162,18 @@ def test_massive_activations_reach_sun_et_al_s_threshold_where_the_per_token_mea
     assert top_median_sum(y).item() == pytest.approx(sum(top_median_by_hand(y.double().numpy())), rel=1e-6)
 
 
+def test_one_massive_sequence_among_eight_shows_in_the_largest_sequence_ratio():
+    """Seven sequences at 3.6x and one at 1,000x (Sun et al.'s threshold): their mean (act/top_median) is 128,
+    neither, while the largest (act/top_median_max) is the massive sequence's own ratio."""
+    y = torch.ones(8, 4, 8, dtype=torch.float64)
+    y[:, 0, 0] = 3.6
+    y[5, 2, 3] = 1000.0
+    ratios = top_median_ratios(y)
+    assert ratios.tolist() == pytest.approx([3.6] * 5 + [1000.0] + [3.6] * 2, rel=1e-6)  # in float32
+    assert top_median_sum(y).item() / 8 == pytest.approx((7 * 3.6 + 1000) / 8)  # act/top_median: 128.15
+    assert ratios.amax().item() == 1000.0  # act/top_median_max
+
+
 def test_entropy_min_is_the_smallest_head_mean():
     q, k = 3 * fixed(2, 3, 9, 4), 3 * fixed(2, 3, 9, 4, seed=1)
     q[:, 1] *= 4  # sharper attention in head 1: a lower entropy than the others
@@ -256,6 +269,7 @@ def test_logged_values_equal_a_forward_by_hand(tmp_path, text_data):
             expected[f"act/max_median/{label}"] = np.mean(max_median_by_hand(after[:PROBE_SEQS]))
             expected[f"act/max_median_max/{label}"] = max(max_median_by_hand(after[:PROBE_SEQS]))
             expected[f"act/top_median/{label}"] = np.mean(top_median_by_hand(after[:PROBE_SEQS]))
+            expected[f"act/top_median_max/{label}"] = max(top_median_by_hand(after[:PROBE_SEQS]))
             expected[f"attn/entropy_min/{label}"] = min(head_entropies_by_hand(q, k))
             h = out
         expected["out/logz"] = np.mean(logz_by_hand(model.head(model.norm_f(h)).double().numpy()))

@@ -21,7 +21,8 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     act/block_angle/L03, act/token_cos/L03  input/output angle of block 3; cosine between its output's tokens
     act/block_angle_last/L03                the input/output angle of each sequence's last token
     act/kurtosis/L03, act/max_median/L03    outlier features and massive activations after block 3
-    act/max_median_max/L03, act/top_median/L03   the largest per-token ratio; Sun et al.'s per-sequence ratio
+    act/max_median_max/L03                  the largest per-token ratio
+    act/top_median/L03, act/top_median_max/L03   Sun et al.'s per-sequence ratio: mean and largest over sequences
     grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / d(embedding)
     grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_embed_norm, grad/norm_f_norm
     update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, .../norm_embed,
@@ -55,7 +56,7 @@ from normlab.train.probe_stats import (
     max_abs,
     max_median_ratios,
     token_cos_sum,
-    top_median_sum,
+    top_median_ratios,
 )
 
 # The gradient-norm keys of the parameter groups outside the blocks (a block's group 'L03/attn' is grad/norm/L03/attn).
@@ -218,7 +219,9 @@ class Probe:
             ratios = max_median_ratios(out[:rows])
             self._add(layer_key("act/max_median", label), ratios.sum(), rows * out.size(-2))
             self._maxima.setdefault(layer_key("act/max_median_max", label), []).append(ratios.amax())
-            self._add(layer_key("act/top_median", label), top_median_sum(out[:rows]), rows)
+            top = top_median_ratios(out[:rows])
+            self._add(layer_key("act/top_median", label), top.sum(), rows)
+            self._maxima.setdefault(layer_key("act/top_median_max", label), []).append(top.amax())
 
     def _on_logits(self, module, args, out):
         with torch.no_grad():

@@ -103,12 +103,17 @@ def max_median_sum(y: torch.Tensor) -> torch.Tensor:
     return max_median_ratios(y).sum()
 
 
-def top_median_sum(y: torch.Tensor) -> torch.Tensor:
-    """Massive activations as Sun et al. (2024) measure them, summed over the sequences of `y` (B, T, d): for
-    each sequence, the largest |y| over its tokens and features / the median |y| over the same T·d values
-    (torch's lower median)."""
+def top_median_ratios(y: torch.Tensor) -> torch.Tensor:
+    """Massive activations as Sun et al. (2024) measure them, one ratio per sequence of `y` (B, T, d): the
+    largest |y| over its tokens and features / the median |y| over the same T·d values (torch's lower median).
+    Their mean over the sequences is act/top_median, their largest act/top_median_max."""
     a = y.detach().float().abs().reshape(y.size(0), -1)
-    return (a.amax(-1) / lower_median(a)).sum()
+    return a.amax(-1) / lower_median(a)
+
+
+def top_median_sum(y: torch.Tensor) -> torch.Tensor:
+    """The sum over sequences of `top_median_ratios`."""
+    return top_median_ratios(y).sum()
 
 
 # Logits are reduced in chunks of at most this many elements, so that log Z adds little to a telemetry

@@ -53,7 +53,8 @@ BF16_TOLERANCE = 1e-2
 # whose definition changed on purpose: each is compared against its definition computed here, in float64, from
 # the tensors the run's hooks saw (`expected_new`), never against the reference.
 ADDED = {"act/top_median_max"}
-CHANGED: set[str] = set()
+# act/max_median(_max): each token centred over its features first, as He et al.'s code does (the reference: not).
+CHANGED = {"act/max_median", "act/max_median_max"}
 
 STEPS, EVERY = 3, 2  # telemetry at steps 0 and 2 (the last); step 1 is a plain logged step
 TELEMETRY_STEPS = (0, 2)
@@ -104,8 +105,13 @@ def expected_new(streams: dict[str, torch.Tensor]) -> dict[str, float]:
     """The ADDED and CHANGED statistics in float64, from the stream after each block (label: (B, T, d))."""
     out = {}
     for label, y in streams.items():
-        seqs = y[:PROBE_SEQS].abs().flatten(1)  # Sun et al.: one ratio per sequence, over its T·d values
+        y = y[:PROBE_SEQS]
+        seqs = y.abs().flatten(1)  # Sun et al.: one ratio per sequence, over its T·d values
         out[f"act/top_median_max/{label}"] = (seqs.amax(-1) / lower_median(seqs)).max().item()
+        tokens = (y - y.mean(-1, keepdim=True)).abs()  # He et al.: one ratio per token, centred over its features
+        ratios = tokens.amax(-1) / lower_median(tokens)
+        out[f"act/max_median/{label}"] = ratios.mean().item()
+        out[f"act/max_median_max/{label}"] = ratios.max().item()
     return out
 
 

@@ -92,9 +92,11 @@ def sorted_lower_median(a: torch.Tensor) -> torch.Tensor:
 
 
 def max_median_ratios(y: torch.Tensor) -> torch.Tensor:
-    """Each token's max_j |y_tj| / median_j |y_tj|, for `y` (..., d): a vector with one entry per token. The
-    median is torch's: for an even d the lower of the two middle values (as in He et al.'s code)."""
-    a = y.detach().float().abs().reshape(-1, y.size(-1))
+    """Each token's max_j |c_tj| / median_j |c_tj|, c_tj = y_tj − mean_j y_tj (the token centred over its d
+    features), for `y` (..., d): a vector with one entry per token. As He et al.'s code takes it: centred, and
+    torch's median (for an even d the lower of the two middle values)."""
+    a = y.detach().float().reshape(-1, y.size(-1))
+    a = (a - a.mean(-1, keepdim=True)).abs()
     return a.amax(-1) / lower_median(a)
 
 

@@ -49,12 +49,15 @@ OTHER_FLOOR = 1e-7 / TOLERANCE  # as a multiple of the tolerance, like the scale
 # median by up to one rounding and a ratio of two by two: held to 1e-2 (about 2.5 roundings), floors alike.
 BF16_TOLERANCE = 1e-2
 
-# The statistics (STAT of STAT/Lxx) the live Probe logs and the reference does not (issue 36, item 5), and those
-# whose definition changed on purpose: each is compared against its definition computed here, in float64, from
-# the tensors the run's hooks saw (`expected_new`), never against the reference.
+# The statistics the live Probe logs and the reference does not (issue 36, item 5), and those whose definition
+# changed on purpose, by `family` (grad/norm is the whole block's grad/norm/Lxx, grad/norm/mlp its MLP's): each
+# is compared against its definition computed here, in float64, from the tensors the run's hooks and gradients
+# held (`expected_new`), never against the reference.
 ADDED = {"act/top_median_max"}
 # act/max_median(_max): each token centred over its features first, as He et al.'s code does (the reference: not).
-CHANGED = {"act/max_median", "act/max_median_max"}
+# grad/norm/Lxx: over the block's attention and MLP weights, as update_ratio/Lxx (the reference: every parameter
+# of the block, its norms and residual gates too).
+CHANGED = {"act/max_median", "act/max_median_max", "grad/norm"}
 
 STEPS, EVERY = 3, 2  # telemetry at steps 0 and 2 (the last); step 1 is a plain logged step
 TELEMETRY_STEPS = (0, 2)
@@ -96,15 +99,23 @@ def golden_config(norm: str, placement: str, text_data, **overrides) -> RunConfi
     return cfg
 
 
+def sublayer_grad_norm(block) -> float:
+    """The L2 norm, in float64, of the gradient of a block's attention and MLP weights (not QK-norm's gains)."""
+    qk = {id(p) for norm in (block.attn.q_norm, block.attn.k_norm) for p in norm.parameters()}
+    params = [p for p in (*block.attn.parameters(), *block.mlp.parameters()) if id(p) not in qk]
+    return math.sqrt(sum(p.grad.double().square().sum().item() for p in params if p.grad is not None))
+
+
 def lower_median(a: torch.Tensor) -> torch.Tensor:
     """The lower of the two middle values for an even count (torch.median's), over the last dimension."""
     return a.sort(-1).values[..., (a.size(-1) - 1) // 2]
 
 
-def expected_new(streams: dict[str, torch.Tensor]) -> dict[str, float]:
-    """The ADDED and CHANGED statistics in float64, from the stream after each block (label: (B, T, d))."""
-    out = {}
-    for label, y in streams.items():
+def expected_new(reference: ReferenceTelemetry, step: int) -> dict[str, float]:
+    """The ADDED and CHANGED statistics of `step` in float64, from the stream after each block (B, T, d) and
+    the sublayers' gradients that `reference` kept."""
+    out = {f"grad/norm/{label}": norm for label, norm in reference.sublayer_grads[step].items()}
+    for label, y in reference.streams[step].items():
         y = y[:PROBE_SEQS]
         seqs = y.abs().flatten(1)  # Sun et al.: one ratio per sequence, over its T·d values
         out[f"act/top_median_max/{label}"] = (seqs.amax(-1) / lower_median(seqs)).max().item()
@@ -127,6 +138,7 @@ class ReferenceTelemetry(Callback):
         self.stats: dict[int, dict[str, float]] = {}
         self.records: dict[int, dict] = {}
         self.streams: dict[int, dict[str, torch.Tensor]] = {}
+        self.sublayer_grads: dict[int, dict[str, float]] = {}
         self._watching = None
         self._step = None
 
@@ -150,6 +162,8 @@ class ReferenceTelemetry(Callback):
         if self._step is not None:
             self._watching.close()
             self.probe.measure_gradients(state.scaler)
+            self.sublayer_grads[self._step] = {label: sublayer_grad_norm(block)
+                                               for label, block in zip(self.probe.labels, state.model.blocks)}
 
     def before_optimizer_step(self, state) -> None:
         if self._step is not None:
@@ -169,9 +183,10 @@ def telemetry_part(record: dict, plain: dict) -> dict:
     return {k: v for k, v in record.items() if k not in plain}
 
 
-def stat_of(key: str) -> str:
+def family(key: str) -> str:
+    """A per-layer key without its layer ('grad/norm/L01/mlp': 'grad/norm/mlp'); any other key as it is."""
     parsed = parse(key)
-    return parsed.stat if parsed else key
+    return parsed.stat + (f"/{parsed.part}" if parsed.part else "") if parsed else key
 
 
 def assert_agree(live: dict, reference: dict, new: dict, tolerance: float, where: str,
@@ -179,8 +194,8 @@ def assert_agree(live: dict, reference: dict, new: dict, tolerance: float, where
     """`live` holds the keys of `reference` and of `new` (the ADDED and CHANGED statistics' values computed in
     the test) and no other; each with the value `new` gives (within `new_tolerance`, by default `tolerance`),
     else the reference's."""
-    assert {stat_of(k) for k in new} == ADDED | CHANGED, f"{where}: the test computed {sorted(new)}"
-    assert not {k for k in reference if stat_of(k) in ADDED}, f"{where}: ADDED lists a key the reference logs"
+    assert {family(k) for k in new} == ADDED | CHANGED, f"{where}: the test computed {sorted(new)}"
+    assert not {k for k in reference if family(k) in ADDED}, f"{where}: ADDED lists a key the reference logs"
     missing = sorted((reference.keys() | new.keys()) - live.keys())
     added = sorted(live.keys() - reference.keys() - new.keys())
     assert not missing and not added, f"{where}: keys missing {missing}, keys added {added}"
@@ -207,7 +222,7 @@ def test_the_live_probe_logs_what_the_reference_does(case, tmp_path, text_data, 
     for step in TELEMETRY_STEPS:
         assert reference.stats[step], f"{case}: the reference measured nothing at step {step}"
         assert_agree(telemetry_part(by_step[step], by_step[1]), reference.stats[step],
-                     expected_new(reference.streams[step]), tolerance, f"{case} step {step}")
+                     expected_new(reference, step), tolerance, f"{case} step {step}")
 
 
 def test_each_member_of_a_pack_logs_what_the_reference_does(tmp_path, text_data, monkeypatch, one_thread):
@@ -236,7 +251,7 @@ def test_each_member_of_a_pack_logs_what_the_reference_does(tmp_path, text_data,
         for step in TELEMETRY_STEPS:
             want = telemetry_part(reference[step], reference[1])
             assert len(want) > 50 and "grad/norm/L01/gate2" in want
-            assert_agree(telemetry_part(live[step], live[1]), want, expected_new(alone.streams[step]), TOLERANCE,
+            assert_agree(telemetry_part(live[step], live[1]), want, expected_new(alone, step), TOLERANCE,
                          f"member {m} step {step}", new_tolerance=RATIO_TOLERANCE)
 
 

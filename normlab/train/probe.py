@@ -29,7 +29,7 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms,gate1,gate2}, update_ratio/embed,
         .../norm_embed, .../norm_f
     norm/gain_mean/L03/norm1, .../L03/q_norm (QK-norm), .../norm_embed, norm/gain_std/..., norm/alpha/...,
-        norm/shift/... (Derf), norm/running_var/..., norm/eps_ratio/... (input RMS / sqrt(eps))
+        norm/shift/... (Derf), norm/running_var/..., norm/eps_ratio/... (input RMS / Norm.eps_rms)
     attn/logit_max/L03, attn/entropy/L03, attn/entropy_min/L03
     out/logz                                mean log-partition function of the output logits
 """

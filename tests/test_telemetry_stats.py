@@ -132,6 +132,21 @@ def test_kurtosis_is_he_et_al_s_over_the_features_rms():
     assert feature_kurtosis(feature_square_sums(outlier).tolist()) == pytest.approx((1e4 + 3) / 4 / (103 / 4) ** 2)
 
 
+def test_he_et_al_s_code_logs_d_over_d_minus_1_times_the_centred_kurtosis_minus_1():
+    """Their code centres each token over its features, divides by the stream's RMS and logs the unbiased variance
+    over the features of the mean squares (the diagonal of the features' Gram matrix over tokens): written here
+    from that description, it is d/(d - 1)·(K_c - 1), K_c act/kurtosis's K of the centred stream, which differs
+    from K of the stream as it is when its tokens have a mean over their features."""
+    d = 16
+    y = fixed(3, 5, d).double() * torch.linspace(0.5, 3.0, d, dtype=torch.float64) + 0.7  # uneven features, offset
+    centred = y - y.mean(-1, keepdim=True)
+    flat = centred.reshape(-1, d) / centred.pow(2).mean().sqrt()
+    logged = flat.pow(2).mean(0).var(correction=1).item()
+    k_centred = feature_kurtosis(feature_square_sums(centred).tolist())
+    assert logged == pytest.approx(d / (d - 1) * (k_centred - 1), rel=1e-5)
+    assert abs(feature_kurtosis(feature_square_sums(y).tolist()) - k_centred) > 0.01  # act/kurtosis is not centred
+
+
 @pytest.mark.parametrize("d", [1, 2, 7, 8, 33])
 def test_lower_median_is_torchs_median_read_off_a_sort(d):
     from normlab.train.probe_stats import sorted_lower_median

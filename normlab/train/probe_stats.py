@@ -71,7 +71,8 @@ def feature_kurtosis(square_sums: list[float]) -> float:
     """He et al. (2024)'s kurtosis of the features' RMS: with s_j the RMS of feature j over the tokens,
     mean_j(s_j⁴) / mean_j(s_j²)². It is 1 when every feature has the same RMS and grows with outlier features
     (a few features far larger than the rest); it is not centred and not an excess kurtosis (a Gaussian
-    stream gives about 1, not 3). `square_sums`: Σ_t y_tj² per feature (the token count cancels)."""
+    stream gives about 1, not 3). Their code logs d/(d−1)·(K−1) of the stream centred per token instead
+    (docs/telemetry.md). `square_sums`: Σ_t y_tj² per feature (the token count cancels)."""
     m2 = sum(square_sums) / len(square_sums)
     m4 = sum(v * v for v in square_sums) / len(square_sums)
     return m4 / (m2 * m2) if m2 > 0 else math.nan

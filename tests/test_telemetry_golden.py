@@ -1,7 +1,7 @@
 """Every telemetry statistic keeps its value (issue 36, item 3): the live Probe against a frozen copy of it.
 
-tests/telemetry_reference/ is the Probe as it was before issue 36 changed it (the commit is in its files'
-headers). Each case below trains a tiny model for 3 steps with telemetry at steps 0 and 2, and measures
+tests/telemetry_reference/ is the Probe as it was before issue 36 changed it (commit 9034483, named in its
+files' headers). Each case below trains a tiny model for 3 steps with telemetry at steps 0 and 2, and measures
 them twice on the very same forward and backward passes: by the live Probe, driven by the training loop
 as in any run, and by the reference Probe, driven by a callback that makes the calls the Telemetry
 callback made at that commit (watch() around the step's micro-batches, measure_gradients after backward,
@@ -11,6 +11,12 @@ with the reference PackedProbe in place of the live one, and compared member by 
 Every key the reference logs must be logged, with its value, and no other: a key added on purpose is
 listed in ADDED with its own independent computation, a key whose definition changed on purpose in
 CHANGED (the reference keeps the old definition).
+
+The reference is driven by the loop's generic callback hooks, so a new way of driving the live Probe (other
+calls from the Telemetry callback, statistics out of the model's own forward) leaves it as it is. The pack
+case swaps the reference in through normlab.train.pack.trainer.PackedProbe and so relies on the pack loop
+calling it as at that commit (watch, the watcher's taps/begin/end/absorb, measure_gradients, before_update,
+collect). compile=true is not among the cases: today it runs telemetry steps on the eager model.
 """
 
 from __future__ import annotations
@@ -43,10 +49,11 @@ TOLERANCE = 1e-5
 # rounding of them).
 ABSOLUTE_FLOOR = {"act/token_cos/": 1.0, "act/block_angle/": math.degrees(1.0), "act/block_angle_last/": math.degrees(1.0)}
 OTHER_FLOOR = 1e-7 / TOLERANCE  # as a multiple of the tolerance, like the scales above
-# bf16 autocast: the activations the statistics read are bf16, whose unit roundoff is 2^-8 = 3.9e-3. An
-# implementation may read a statistic from a tensor rounded to bf16 once more or once less than the
-# reference did (a fused or compiled graph keeps in float32 what eager rounds), which moves a max or a
-# median by up to one rounding and a ratio of two by two: held to 1e-2 (about 2.5 roundings), floors alike.
+# bf16 autocast: many tensors the statistics read are bf16 (the sublayers' outputs, queries and keys, the
+# logits), whose unit roundoff is 2^-8 = 3.9e-3. An implementation may read a statistic from a tensor rounded
+# to bf16 once more or once less than the reference did (a fused or compiled graph keeps in float32 what eager
+# rounds), which moves a max or a median by up to one rounding and a ratio of two by two: held to 1e-2 (about
+# 2.5 roundings), the floors alike. Today's implementation agrees with the reference exactly there too.
 BF16_TOLERANCE = 1e-2
 
 # The statistics the live Probe logs and the reference does not (issue 36, item 5), and those whose definition

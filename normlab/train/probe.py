@@ -20,14 +20,16 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     act/embed_rms, act/embed_max            token + position embedding (before embed_norm's norm)
     act/block_angle/L03, act/token_cos/L03  input/output angle of block 3; cosine between its output's tokens
     act/block_angle_last/L03                the input/output angle of each sequence's last token
-    act/kurtosis/L03, act/max_median/L03    outlier features and massive activations after block 3
-    act/max_median_max/L03, act/top_median/L03   the largest per-token ratio; Sun et al.'s per-sequence ratio
+    act/kurtosis/L03                        outlier features after block 3 (He et al.'s K of the features' RMS)
+    act/max_median/L03, .../max_median_max  a token's max/median |x| after centring it, mean and largest over tokens
+    act/top_median/L03, act/top_median_max/L03   Sun et al.'s per-sequence ratio: mean and largest over sequences
     grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / d(embedding)
-    grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_embed_norm, grad/norm_f_norm
-    update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, .../norm_embed,
-        .../norm_f
+    grad/norm/L03 (attn and mlp together), grad/norm/L03/{attn,mlp,norms,gate1,gate2}, grad/embed_norm,
+        grad/norm_embed_norm, grad/norm_f_norm
+    update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms,gate1,gate2}, update_ratio/embed,
+        .../norm_embed, .../norm_f
     norm/gain_mean/L03/norm1, .../L03/q_norm (QK-norm), .../norm_embed, norm/gain_std/..., norm/alpha/...,
-        norm/shift/... (Derf), norm/running_var/..., norm/eps_ratio/... (input RMS / sqrt(eps))
+        norm/shift/... (Derf), norm/running_var/..., norm/eps_ratio/... (input RMS / Norm.eps_rms)
     attn/logit_max/L03, attn/entropy/L03, attn/entropy_min/L03
     out/logz                                mean log-partition function of the output logits
 """
@@ -55,7 +57,7 @@ from normlab.train.probe_stats import (
     max_abs,
     max_median_ratios,
     token_cos_sum,
-    top_median_sum,
+    top_median_ratios,
 )
 
 # The gradient-norm keys of the parameter groups outside the blocks (a block's group 'L03/attn' is grad/norm/L03/attn).
@@ -113,10 +115,11 @@ class Probe:
 
     def _param_groups(self) -> tuple[list[nn.Parameter], dict[str, list[int]]]:
         """The model's parameters (each once) and groups of their indices by location:
-        'L03' (the whole block), 'L03/attn', 'L03/mlp', 'L03/norms', 'embed', 'norm_embed', 'norm_f'.
+        'L03' (the whole block), 'L03/attn', 'L03/mlp', 'L03/norms', 'L03/gate1', 'L03/gate2' (residual gates),
+        'embed', 'norm_embed', 'norm_f'.
 
         'L03/norms' holds every norm parameter of the block, QK-norm's gains included; 'L03/attn'
-        holds the attention's projections only."""
+        holds the attention's projections only. The keys of 'L03' are over a part of it (`_figure_members`)."""
         params: list[nn.Parameter] = []
         index: dict[int, int] = {}
 
@@ -144,10 +147,12 @@ class Probe:
                 groups.setdefault(f"{label}/norms", []).extend(ids(p for norm in qk_norms for p in norm.parameters()))
         return params, {loc: members for loc, members in groups.items() if members}
 
-    def _update_members(self, loc: str, members: list[int]) -> list[int]:
-        """The parameters of update_ratio/<loc>: a whole block's figure ('L03') is over its sublayers'
-        weights (attn and mlp) alone. Norm gains sit near 1 and, in the denominator, would make the
-        figure differ between norms whose sublayers update alike; they have update_ratio/L03/norms."""
+    def _figure_members(self, loc: str, members: list[int]) -> list[int]:
+        """The parameters of grad/norm/<loc> and update_ratio/<loc>: a whole block's figures ('L03') are over
+        its sublayers' weights (attn and mlp) alone, its norms' and residual gates' parameters left out, so
+        that they compare across arms that differ in norms and gates: a norm or gate adds to the figures of
+        the arms that have one, and norm gains, near 1, would set an update ratio's denominator. Those
+        parameters have their own keys (L03/norms, L03/gate1, L03/gate2)."""
         if loc not in self.labels:
             return members
         return self._groups.get(f"{loc}/attn", []) + self._groups.get(f"{loc}/mlp", [])
@@ -218,7 +223,9 @@ class Probe:
             ratios = max_median_ratios(out[:rows])
             self._add(layer_key("act/max_median", label), ratios.sum(), rows * out.size(-2))
             self._maxima.setdefault(layer_key("act/max_median_max", label), []).append(ratios.amax())
-            self._add(layer_key("act/top_median", label), top_median_sum(out[:rows]), rows)
+            top = top_median_ratios(out[:rows])
+            self._add(layer_key("act/top_median", label), top.sum(), rows)
+            self._maxima.setdefault(layer_key("act/top_median_max", label), []).append(top.amax())
 
     def _on_logits(self, module, args, out):
         with torch.no_grad():
@@ -348,13 +355,13 @@ class Probe:
         for key, entries in self._sums.items():
             stats.update(_finish_sum(key, host[f"sums:{key}"], sum(n for _, n in entries)))
         for loc, members in self._groups.items():
+            members = self._figure_members(loc, members)
             if host["grad"]:
                 key = GROUP_GRAD_KEYS.get(loc, f"grad/norm/{loc}")
                 stats[key] = _group_norm(host["grad"], members)
             if host["delta"]:
-                updated = self._update_members(loc, members)
-                weight = _group_norm(host["weight"], updated)
-                stats[f"update_ratio/{loc}"] = _group_norm(host["delta"], updated) / weight if weight > 0 else math.nan
+                weight = _group_norm(host["weight"], members)
+                stats[f"update_ratio/{loc}"] = _group_norm(host["delta"], members) / weight if weight > 0 else math.nan
         return dict(sorted(stats.items()))
 
 

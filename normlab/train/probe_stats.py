@@ -71,7 +71,8 @@ def feature_kurtosis(square_sums: list[float]) -> float:
     """He et al. (2024)'s kurtosis of the features' RMS: with s_j the RMS of feature j over the tokens,
     mean_j(s_j⁴) / mean_j(s_j²)². It is 1 when every feature has the same RMS and grows with outlier features
     (a few features far larger than the rest); it is not centred and not an excess kurtosis (a Gaussian
-    stream gives about 1, not 3). `square_sums`: Σ_t y_tj² per feature (the token count cancels)."""
+    stream gives about 1, not 3). Their code logs d/(d−1)·(K−1) of the stream centred per token instead
+    (docs/telemetry.md). `square_sums`: Σ_t y_tj² per feature (the token count cancels)."""
     m2 = sum(square_sums) / len(square_sums)
     m4 = sum(v * v for v in square_sums) / len(square_sums)
     return m4 / (m2 * m2) if m2 > 0 else math.nan
@@ -92,9 +93,11 @@ def sorted_lower_median(a: torch.Tensor) -> torch.Tensor:
 
 
 def max_median_ratios(y: torch.Tensor) -> torch.Tensor:
-    """Each token's max_j |y_tj| / median_j |y_tj|, for `y` (..., d): a vector with one entry per token. The
-    median is torch's: for an even d the lower of the two middle values (as in He et al.'s code)."""
-    a = y.detach().float().abs().reshape(-1, y.size(-1))
+    """Each token's max_j |c_tj| / median_j |c_tj|, c_tj = y_tj − mean_j y_tj (the token centred over its d
+    features), for `y` (..., d): a vector with one entry per token. As He et al.'s code takes it: centred, and
+    torch's median (for an even d the lower of the two middle values)."""
+    a = y.detach().float().reshape(-1, y.size(-1))
+    a = (a - a.mean(-1, keepdim=True)).abs()
     return a.amax(-1) / lower_median(a)
 
 
@@ -103,12 +106,17 @@ def max_median_sum(y: torch.Tensor) -> torch.Tensor:
     return max_median_ratios(y).sum()
 
 
-def top_median_sum(y: torch.Tensor) -> torch.Tensor:
-    """Massive activations as Sun et al. (2024) measure them, summed over the sequences of `y` (B, T, d): for
-    each sequence, the largest |y| over its tokens and features / the median |y| over the same T·d values
-    (torch's lower median)."""
+def top_median_ratios(y: torch.Tensor) -> torch.Tensor:
+    """Massive activations as Sun et al. (2024) measure them, one ratio per sequence of `y` (B, T, d): the
+    largest |y| over its tokens and features / the median |y| over the same T·d values (torch's lower median).
+    Their mean over the sequences is act/top_median, their largest act/top_median_max."""
     a = y.detach().float().abs().reshape(y.size(0), -1)
-    return (a.amax(-1) / lower_median(a)).sum()
+    return a.amax(-1) / lower_median(a)
+
+
+def top_median_sum(y: torch.Tensor) -> torch.Tensor:
+    """The sum over sequences of `top_median_ratios`."""
+    return top_median_ratios(y).sum()
 
 
 # Logits are reduced in chunks of at most this many elements, so that log Z adds little to a telemetry

@@ -175,7 +175,8 @@ def test_which_sweeps_run_cuda_graphs():
 
 def test_a_worker_gets_the_daemons_environment_before_torch(monkeypatch):
     for key in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NORMLAB_WORKER_MEMORY_FRACTION"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # recorded, so the test's end puts back what was there (or removes it)
+        monkeypatch.delenv(key)
     _pin_worker("1", 3, 0.25, {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/p"})
     assert (os.environ["CUDA_MPS_PIPE_DIRECTORY"], os.environ["CUDA_VISIBLE_DEVICES"], os.environ["OMP_NUM_THREADS"]) == \
         ("/tmp/p", "1", "3")

@@ -25,6 +25,7 @@ import wandb
 from cli_here import normlab_here
 from conftest import tiny_config
 from normlab.cli import main
+from normlab.config import RunConfig
 from normlab.train import preempt
 from normlab.train.callbacks import Callback
 from normlab.train.checkpoint import Checkpoint, CheckpointError, checkpoint_path, list_checkpoints
@@ -564,6 +565,66 @@ def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_pat
         k: v for k, v in ended.items() if k not in linked}
     assert any(line.startswith("job 1 ") and ": completed" in line for line in again.stdout.splitlines())  # its line
     assert sorted((jobs[1] / "wandb").glob("offline-run-*")) == wandb_runs[jobs[1]]  # no second wandb run
+
+
+SWEEP = [a for a in RUN if not a.startswith(("max_steps=", "eval_every=", "ckpt."))] + ["eval_every=2"]
+
+
+@pytest.fixture(scope="module")
+def finished_sweep(tmp_path_factory):
+    """A sweep of two jobs of 4 steps (lr=1e-3,3e-3), run once in its dir; tests take copies."""
+    root = tmp_path_factory.mktemp("finished_sweep")
+    result = normlab_here("train", "-m", *SWEEP, "max_steps=4", "lr=1e-3,3e-3", f"hydra.sweep.dir={root / 'sweep'}",
+                          cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "sweep"
+
+
+@pytest.mark.parametrize("launcher", [[], ["hydra.launcher.cpu_jobs=2"], ["pack=true"], ["hydra/launcher=basic"],
+                                      ["hydra/launcher=submitit_local"]], ids=lambda a: " ".join(a) or "normlab")
+def test_a_finished_sweep_run_again_with_another_value_is_refused_whole_and_changes_nothing(finished_sweep, tmp_path,
+                                                                                          launcher):
+    sweep = tmp_path / "sweep"
+    shutil.copytree(finished_sweep, sweep)
+    before = snapshot(sweep)
+    # One value changed (max_steps), and one more lr: job 2 never started, and does not start either.
+    again = normlab_here("train", "-m", *SWEEP, "max_steps=6", "lr=1e-3,3e-3,1e-2", f"hydra.sweep.dir={sweep}",
+                         *launcher, cwd=tmp_path)
+    assert again.returncode == 2
+    line = one_error_line(again.stderr, f"hydra.sweep.dir={sweep}", "jobs 0 (layer-pre-d2-lr1e-3-s0) and "
+                          "1 (layer-pre-d2-lr3e-3-s0) ran with max_steps=4", "this command gives max_steps=6",
+                          "give max_steps=4 to continue the sweep")
+    assert "lr1e-2" not in line
+    assert snapshot(sweep) == before  # every file, .hydra/, normlab.log, multirun.yaml and sweep.log included
+    assert sorted(p.name for p in sweep.iterdir()) == sorted(p.name for p in finished_sweep.iterdir())  # no job 2
+
+
+def test_a_search_sweep_run_again_with_another_value_stops_at_its_first_trial_with_records(tmp_path):
+    sweep = tmp_path / "sweep"
+    search = ["hydra/sweeper=lr_search", "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={sweep}"]
+    first = normlab_here("train", "-m", *SWEEP, "max_steps=4", *search, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = snapshot(sweep)
+    again = normlab_here("train", "-m", *SWEEP, "max_steps=6", *search, cwd=tmp_path)
+    assert again.returncode == 2
+    [line] = [line for line in again.stderr.splitlines() if line.startswith("normlab: error:")]
+    assert "job 0 (layer-pre-d2-lr" in line and "ran with max_steps=4 (its config.json), this command gives max_steps=6" in line
+    # No traceback of normlab's (optuna's logger, set up by the first command in this process, writes to a stream
+    # that command's capture closed: a test artifact, printed as a "Logging error").
+    assert again.stderr.count("Traceback") == again.stderr.count("--- Logging error ---\nTraceback")
+    assert snapshot(sweep) == before
+
+
+def test_a_failure_is_not_recorded_over_the_records_of_another_config(run_copy):
+    from normlab.launch.rundir import record_failure
+
+    before = snapshot(run_copy)
+    cfg = tiny_config(max_steps=12)  # run_copy ran 10 steps
+    record_failure(run_copy, cfg, CheckpointError("written by a run with max_steps=10"))
+    assert snapshot(run_copy) == before
+    own = RunConfig.from_dict(json.loads((run_copy / "config.json").read_text()))
+    record_failure(run_copy, own, CheckpointError("unreadable"))  # its own config: the failure is on record
+    assert summary(run_copy)["status"] == "failed" and summary(run_copy)["error"] == "CheckpointError: unreadable"
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -39,6 +39,7 @@ from normlab.launch.paths import from_launch_dir
 from normlab.launch.resolvers import register_resolvers
 from normlab.launch.resume import continue_command, with_continue_command
 from normlab.launch.rundir import discard_unstarted, ended_line, final_loss, record_failure
+from normlab.launch.sweep_dirs import changed_records, refusal
 from normlab.launch.sweep_log import read_summary
 from normlab.train.sinks import RunDirBusy, RunDirGone, WandbUnavailable, disk_full
 from normlab.util.errors import PREFIX, fail
@@ -141,10 +142,12 @@ def ended_job(hydra_context, sweep_config: DictConfig) -> JobReturn | None:
     """A sweep job whose run already ended in its dir with this config, answered without Hydra's run_job, which
     would rewrite the dir's .hydra/ and append to its normlab.log: ended_loss's line, the callbacks' on_job_end
     (the sweep's line for the job) and a JobReturn as run_job gives it, so the dir stays byte for byte as it was.
-    None for any other job (a bad config too: run_job reports it)."""
+    A job whose dir holds the records of another config (a search sweeper's trial: a grid sweep's jobs are checked
+    before any runs, by sweep_dirs.check_sweep_dirs) stops the command with that check's line, exit code 2, its dir
+    untouched. None for any other job (a bad config too: run_job reports it)."""
     hydra = sweep_config.hydra
     output_dir = os.path.abspath(os.path.join(str(hydra.sweep.dir), str(hydra.sweep.subdir)))
-    if not os.path.isfile(os.path.join(output_dir, "summary.json")):
+    if not any(os.path.isfile(os.path.join(output_dir, name)) for name in ("summary.json", "config.json")):
         return None
     with read_write(hydra.runtime), open_dict(hydra.runtime):
         hydra.runtime.output_dir = output_dir  # as run_job sets it
@@ -153,9 +156,13 @@ def ended_job(hydra_context, sweep_config: DictConfig) -> JobReturn | None:
     with read_write(task_cfg), open_dict(task_cfg):
         del task_cfg["hydra"]
     try:
-        loss = ended_loss(job_config(task_cfg), output_dir)
+        run_cfg = job_config(task_cfg)
     except ConfigError:
         return None
+    changed = changed_records(run_cfg, output_dir)
+    if changed:
+        sys.exit(fail(refusal(Path(str(hydra.sweep.dir)).absolute(), [(int(hydra.job.num), run_cfg.run_name, changed)])))
+    loss = ended_loss(run_cfg, output_dir)
     if loss is None:
         return None
     ret = JobReturn(overrides=list(hydra.overrides.task), cfg=task_cfg, status=JobStatus.COMPLETED,

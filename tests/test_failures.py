@@ -533,6 +533,10 @@ def test_a_data_error_in_one_job_is_that_jobs_failure(tmp_path, monkeypatch, cap
     assert "a.txt" in summary(jobs[0])["error"]
     failures = [line for line in result.stderr.splitlines() if line.startswith("normlab: error:")]
     assert len(failures) == 1 and "job 0" in failures[0] and "a.txt" in failures[0]
+    # One line on the terminal; the traceback in the job's own log.
+    assert "Traceback" not in result.stdout + result.stderr and "[ERROR]" not in result.stdout + result.stderr
+    log = (jobs[0] / "normlab.log").read_text()
+    assert "job layer-pre-d2-lr3e-3-s0 failed: DataError" in log and "Traceback (most recent call last)" in log
 
 
 def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_path, monkeypatch, capsys):

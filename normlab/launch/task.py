@@ -100,7 +100,14 @@ def said(line: str) -> None:
     """`line` on stderr, once, and in the log files of the job (its normlab.log), but not again on the terminal
     through the log's console handler."""
     print(line, file=sys.stderr)
-    record = log.makeRecord(log.name, logging.WARNING, __file__, 0, line, None, None)
+    to_job_log(logging.WARNING, line)
+
+
+def to_job_log(level: int, line: str, err: BaseException | None = None) -> None:
+    """`line` (with `err`'s traceback, if given) in the log files of the job (its normlab.log) only, not on the
+    terminal: there, the job's one line says it."""
+    exc_info = (type(err), err, err.__traceback__) if err is not None else None
+    record = log.makeRecord(log.name, level, __file__, 0, line, None, exc_info)
     for handler in {*logging.getLogger().handlers, *log.handlers}:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
@@ -221,7 +228,7 @@ def _stop(err, unstarted: str | None = None) -> float:
 
 
 def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:
-    """A job that failed: one line on stderr (and the traceback in the job's log), its summary.json
+    """A job that failed: one line on stderr (and, in the job's normlab.log only, the traceback), its summary.json
     recorded unless `recorded` already; the sweep goes on (NaN for the sweeper) unless fail_fast, and
     a single run exits 1."""
     if not recorded:
@@ -231,7 +238,7 @@ def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:
     if isinstance(err, RunDirGone):
         what = str(err)  # its normlab.log went with the dir: the line below is the whole account
     else:
-        log.error("job %s failed: %s", name, what, exc_info=None if disk_full(err) else err)
+        to_job_log(logging.ERROR, f"job {name} failed: {what}", None if disk_full(err) else err)
     print(f"{PREFIX}job {hc.job.num} ({name}) failed: {what}" if multirun else f"{PREFIX}{name} failed: {what}",
           file=sys.stderr)
     if not multirun or run_cfg.fail_fast:

@@ -224,6 +224,34 @@ def test_a_second_run_in_a_locked_run_dir_gets_one_line_and_changes_nothing(run_
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+HOLD_DIR = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(600)")  # as RunDir.lock(), without torch
+
+
+def test_a_sweep_job_whose_dir_another_process_holds_is_busy_on_its_line_and_in_the_table(tmp_path):
+    """As when two identical sweeps start in one dir: the job the other process trains is not this sweep's to report."""
+    sweep = tmp_path / "sweep"
+    held = sweep / "0_layer-pre-d2-lr1e-3-s0"
+    held.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_DIR, str(held)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = normlab_here("train", "-m", *SWEEP, "max_steps=2", "lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}",
+                              cwd=tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("job 0 ")]
+    assert line.startswith(f"job 0 layer-pre-d2-lr1e-3-s0: busy: held by PID {holder.pid}, final val loss -"), line
+    assert "sweep: 2 jobs (1 busy, 1 completed), best first" in result.stdout
+    [row] = [r for r in result.stdout.splitlines() if r.startswith("0 ")]
+    assert f"BUSY: held by PID {holder.pid}" in row
+    assert line in (sweep / "sweep.log").read_text()
+    [refusal] = [e for e in result.stderr.splitlines() if e.startswith("normlab: error: job 0")]
+    assert f"another normlab run (PID {holder.pid}) is writing it" in refusal
+
+
 def test_two_runs_started_together_in_one_dir_do_not_interleave(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -97,3 +97,12 @@ def test_a_sweep_job_whose_dir_went_is_that_jobs_failure_and_the_sweep_goes_on(t
     [job] = [p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert job.name.startswith("1_") and json.loads((job / "summary.json").read_text())["status"] == "completed"
     assert not deleted[0].exists()
+    # Its line, sweep.log and the table say what became of it, and the table lists every job of the sweep.
+    gone = f"job 0 {deleted[0].name[2:]}: failed: run dir deleted or moved away at step "
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("job 0 ")]
+    assert line.startswith(gone) and "final val loss -, run wall time -" in line, line
+    assert "sweep: 2 jobs (1 completed, 1 failed), best first" in result.stdout
+    [row] = [r for r in result.stdout.splitlines() if r.startswith("0 ")]
+    assert f"FAILED: run dir deleted or moved away at step" in row and deleted[0].name in row, row
+    log = (sweep / "sweep.log").read_text()
+    assert gone in log and "sweep: 2 jobs (1 completed, 1 failed)" in log

@@ -20,7 +20,7 @@ from typing import Any
 from normlab import keys
 from normlab.analysis.records import METRICS, METRICS_CSV
 from normlab.analysis.runs import CONFIG, SUMMARY, CompareError, find_run_dirs
-from normlab.util.files import exclusive
+from normlab.util.files import exclusive, flock_holders
 
 SWEEP_MARKS = ("multirun.yaml", "sweep.log")  # a dir holding one of these is a sweep dir (Hydra's, normlab's)
 TAIL_BYTES = 64 * 1024  # of the metrics file: enough for its last rows
@@ -43,20 +43,8 @@ class Listed:
 
 def held_locks() -> set[tuple[int, int, int]] | None:
     """(major, minor, inode) of every file or dir an flock is held on, from /proc/locks; None without it."""
-    try:
-        text = Path("/proc/locks").read_text()
-    except OSError:
-        return None
-    held = set()
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) > 5 and fields[1] == "FLOCK":
-            try:
-                major, minor, inode = fields[5].split(":")
-                held.add((int(major, 16), int(minor, 16), int(inode)))
-            except ValueError:
-                continue
-    return held
+    holders = flock_holders()
+    return None if holders is None else set(holders)
 
 
 def is_locked(run_dir: Path, held: set[tuple[int, int, int]] | None) -> bool:

@@ -34,6 +34,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 import normlab.train.preempt as preempt
+from normlab.launch import job_outcome
 from normlab.config import ConfigError, RunConfig
 from normlab.launch.paths import from_launch_dir
 from normlab.launch.resolvers import register_resolvers
@@ -234,6 +235,8 @@ def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:
     if not recorded:
         record_failure(hc.runtime.output_dir, run_cfg, err)
     name, multirun = run_cfg.run_name, hc.mode == RunMode.MULTIRUN
+    if job_outcome.status_of(err):  # its dir went, or is another process's: the sweep's line for it must say so
+        job_outcome.note(hc.runtime.output_dir, job_outcome.status_of(err))
     what = f"the disk is full ({err})" if disk_full(err) else f"{type(err).__name__}: {err}"
     if isinstance(err, RunDirGone):
         what = str(err)  # its normlab.log went with the dir: the line below is the whole account

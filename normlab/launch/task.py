@@ -173,9 +173,33 @@ def ended_job(hydra_context, sweep_config: DictConfig) -> JobReturn | None:
     loss = ended_loss(run_cfg, output_dir)
     if loss is None:
         return None
+    return _answered(hydra_context, sweep_config, task_cfg, loss)
+
+
+def gone_member(hydra_context, sweep_config: DictConfig, member: PackMember) -> JobReturn | None:
+    """A pack's member whose run dir went mid-run, answered after the pack trained without Hydra's run_job, which
+    would make its dir again at its path and write .hydra/ and normlab.log into it: member_result's one line (the
+    job's failure), the callbacks' on_job_end (the sweep's line for it) and a JobReturn. None for any other member."""
+    if not isinstance(member.error, RunDirGone):
+        return None
+    hydra = sweep_config.hydra
+    with read_write(hydra.runtime), open_dict(hydra.runtime):
+        hydra.runtime.output_dir = member.run_dir  # as run_job sets it
+    HydraConfig.instance().set_config(sweep_config)
+    task_cfg = copy.deepcopy(sweep_config)
+    with read_write(task_cfg), open_dict(task_cfg):
+        del task_cfg["hydra"]
+    return _answered(hydra_context, sweep_config, task_cfg, member_result(member))
+
+
+def _answered(hydra_context, sweep_config: DictConfig, task_cfg: DictConfig, value: float) -> JobReturn:
+    """The JobReturn of a sweep job answered without Hydra's run_job (HydraConfig set to `sweep_config`), as run_job
+    gives it, after the callbacks' on_job_end."""
+    hydra = sweep_config.hydra
     ret = JobReturn(overrides=list(hydra.overrides.task), cfg=task_cfg, status=JobStatus.COMPLETED,
-                    hydra_cfg=copy.deepcopy(HydraConfig.instance().cfg), _return_value=loss,
-                    working_dir=output_dir if hydra.job.chdir else os.getcwd(), task_name=str(hydra.job.name))
+                    hydra_cfg=copy.deepcopy(HydraConfig.instance().cfg), _return_value=value,
+                    working_dir=str(hydra.runtime.output_dir) if hydra.job.chdir else os.getcwd(),
+                    task_name=str(hydra.job.name))
     hydra_context.callbacks.on_job_end(config=sweep_config, job_return=ret)
     return ret
 
@@ -302,7 +326,10 @@ def train_members(members: list[PackMember]) -> None:
             m.error, m.recorded = err, recorded or isinstance(err, RunDirBusy)
         return
     for m, summary in zip(training, summaries):
-        m.summary = summary
+        if isinstance(summary, RunDirGone):  # its dir went mid-run: nothing is on record, nor may be written
+            m.error, m.recorded = summary, True
+        else:
+            m.summary = summary
 
 
 def member_result(member: PackMember) -> float:

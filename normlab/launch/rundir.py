@@ -125,9 +125,9 @@ def _claimed(overrides: list[str], config_dirs: list[str], config_module: str, c
 def ended_line(cfg: RunConfig, run_dir: str | os.PathLike, ended: dict[str, Any], ignored: list[str] = ()) -> str:
     """The line for a run that already ended in `run_dir` (its summary `ended`): not trained again, and the
     command line's overrides that were therefore not applied (`ignored`)."""
-    line = (f"normlab: {cfg.run_name} already {ended['status']} in {run_dir}: not trained again "
-            "(overwrite=true trains it afresh)")
-    return line + (f"; not applied: {' '.join(ignored)}" if ignored else "")
+    from normlab.train.checkpoint import ended_message  # torch: not for `normlab train --help`
+
+    return ended_message(cfg, run_dir, ended) + (f"; not applied: {' '.join(ignored)}" if ignored else "")
 
 
 def not_applied(overrides: list[str], cfg: RunConfig, run_dir: Path) -> list[str]:

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import tiny_config
 from normlab import RunConfig, compare, load_runs, train_run
+from normlab.analysis import CompareError, SkippedRun
 from normlab.config import ConfigError
 from test_failures import snapshot
 
@@ -47,3 +48,31 @@ def test_validate_checks_types_as_from_dict_does_and_train_run_makes_nothing_for
 def test_a_sub_config_given_by_hand_must_be_its_dataclass():
     with pytest.raises(ConfigError, match=r"^norm=rms: must be a NormConfig"):
         RunConfig(norm="rms").validate()
+
+
+def _run_dir(path, summary_text, rows):
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text(summary_text)
+    (path / "config.json").write_text(json.dumps({"norm": {"name": "rms"}, "placement": "pre", "lr": 1e-3}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_load_runs_skips_a_damaged_summary_with_a_note_and_returns_the_healthy_runs(tmp_path):
+    rows = [{"step": 0, "loss": 5.0, "val_loss": 5.1}]
+    _run_dir(tmp_path / "sweep" / "0_good", json.dumps({"status": "completed", "final_val_loss": 4.0}), rows)
+    _run_dir(tmp_path / "sweep" / "1_bad", "{not json", rows)
+    with pytest.warns(SkippedRun) as caught:
+        runs = load_runs(tmp_path / "sweep")
+    assert [run.path.name for run in runs] == ["0_good"] and runs[0].final_val_loss == 4.0
+    [note] = [str(w.message) for w in caught]
+    assert note.startswith(f"skipped {tmp_path / 'sweep' / '1_bad' / 'summary.json'}: unreadable (")
+    with pytest.raises(CompareError, match="1_bad/summary.json: unreadable"):
+        load_runs(tmp_path / "sweep", errors="raise")
+
+
+def test_a_metrics_value_that_is_text_not_a_number_makes_its_row_unreadable(tmp_path):
+    rows = [{"step": 0, "loss": 5.0}, {"step": 4, "loss": "inf", "grad_norm": "nan", "status": "diverged"},
+            {"step": 8, "loss": "text"}, {"step": 9, "loss": 4.0, "lr": "1e-3"}]
+    _run_dir(tmp_path / "run", json.dumps({"status": "completed"}), rows)
+    [run] = load_runs(tmp_path / "run")
+    assert [row["step"] for row in run.rows] == [0, 4, 9] and run.bad_lines == 1

@@ -31,7 +31,7 @@ class Listed:
     """One run dir as `normlab ls` shows it."""
 
     path: str
-    status: str  # running | completed | diverged | failed | preempted | ... | incomplete (no summary, no lock)
+    status: str  # running | completed | diverged | failed | preempted | ... | incomplete (no summary, no lock) | damaged
     step: int | None
     max_steps: int | None
     final_val_loss: float | None
@@ -94,11 +94,17 @@ def _json_step(line: str) -> Any:
     return row.get("step") if isinstance(row, dict) else None
 
 
+def _without_status(run_dir: Path) -> str:
+    """The status of a run dir whose summary.json says none: `damaged` if it has one that is not a JSON object
+    (cut short, not UTF-8), else `incomplete` (killed before it wrote one)."""
+    return "damaged" if (run_dir / SUMMARY).exists() and not _json(run_dir / SUMMARY) else "incomplete"
+
+
 def listed(run_dir: Path, held: set[tuple[int, int, int]] | None, now: float) -> Listed:
     summary, config = _json(run_dir / SUMMARY), _json(run_dir / CONFIG)
     written = [p.stat().st_mtime for p in (run_dir / n for n in (SUMMARY, CONFIG, METRICS, METRICS_CSV)) if p.exists()]
     running = is_locked(run_dir, held)
-    status = "running" if running else str(summary.get("status") or "incomplete")
+    status = "running" if running else str(summary.get("status") or _without_status(run_dir))
     steps = summary.get("steps") if not running else None
     step = steps if isinstance(steps, int) and not isinstance(steps, bool) else last_step(run_dir)
     loss = keys.to_float(summary.get("final_val_loss")) if not running else math.nan

@@ -16,7 +16,7 @@ import math
 from dataclasses import fields
 from typing import Any, Mapping, get_args, get_origin, get_type_hints
 
-from normlab.config.errors import ConfigError
+from normlab.config.errors import ConfigError, shown
 from normlab.config.validate import RESUME_CHOICES, is_number
 
 
@@ -162,7 +162,7 @@ def format_lr(lr: float) -> str:
 def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
     """Instantiate dataclass `cls` from `raw`, checking each field's type."""
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {shown(raw)}")
     hints = _hints(cls)
     kwargs = {}
     for f in fields(cls):
@@ -208,23 +208,23 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
     if base is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}={value!r}: must be true or false")
+        raise ConfigError(f"{key}={shown(value)}: must be true or false")
     if base is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}={value!r}: must be an integer")
+        raise ConfigError(f"{key}={shown(value)}: must be an integer")
     if base is float:
         if is_number(value) and math.isfinite(value):
             return float(value)
         if is_number(value):
             raise ConfigError(f"{key}={value}: must be a finite number (not nan or inf)")
-        raise ConfigError(f"{key}={value!r}: must be a number")
+        raise ConfigError(f"{key}={shown(value)}: must be a number")
     if base is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{key}={value!r}: must be a string")
+        raise ConfigError(f"{key}={shown(value)}: must be a string")
     if base is list:
         if isinstance(value, (list, tuple)):
             return list(value)
-        raise ConfigError(f"{key}={value!r}: must be a list")
+        raise ConfigError(f"{key}={shown(value)}: must be a list")
     return value

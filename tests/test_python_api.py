@@ -10,6 +10,7 @@ from conftest import tiny_config
 from normlab import RunConfig, compare, load_runs, train_run
 from normlab.analysis import CompareError, SkippedRun
 from normlab.config import ConfigError
+from test_compare import write_run
 from test_failures import snapshot
 
 
@@ -76,3 +77,21 @@ def test_a_metrics_value_that_is_text_not_a_number_makes_its_row_unreadable(tmp_
     _run_dir(tmp_path / "run", json.dumps({"status": "completed"}), rows)
     [run] = load_runs(tmp_path / "run")
     assert [row["step"] for row in run.rows] == [0, 4, 9] and run.bad_lines == 1
+
+
+def test_compare_of_no_path_says_so_and_of_one_path_takes_it_whole(tmp_path, monkeypatch):
+    with pytest.raises(CompareError, match="^no path given: give a run dir, a sweep dir or the outputs/ root$"):
+        compare([])
+    write_run(tmp_path / "sweep" / "0_rms")
+    (tmp_path / "sweep" / "multirun.yaml").write_text("hydra: {}\n")
+    monkeypatch.chdir(tmp_path)
+    assert compare("sweep") == tmp_path / "sweep" / "report"  # a str: one path, not its letters
+
+
+def test_report_md_counts_one_run_in_the_singular_and_quotes_any_dir_name_in_code(tmp_path):
+    write_run(tmp_path / "runs" / "a`b|c")
+    report = (compare([str(tmp_path / "runs")], out=tmp_path / "r") / "report.md").read_text()
+    assert "1 run in 1 arm, read from " in report and "1 runs" not in report
+    assert "- ``a`b|c``: " not in report  # a completed run is in the Runs table, not a list
+    [row] = [line for line in report.splitlines() if line.startswith("| ``a`b\\\\|c``")]
+    assert row.count(" | ") == 10  # its 11 cells: the backtick and the bar held inside the first

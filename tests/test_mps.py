@@ -51,6 +51,7 @@ def fake_control(tmp_path, monkeypatch):
 
 def test_the_sweeps_own_daemon_runs_with_its_dirs_under_the_sweep_dir_and_stops_at_the_end(tmp_path, fake_control, monkeypatch):
     monkeypatch.setattr(mps_module, "client_check", lambda env: None)  # a client reaches the daemon
+    monkeypatch.setattr(mps_module, "MAX_PIPE_DIR", 4096)  # pytest's tmp_path may be long (a long one: a test below)
     sweep = tmp_path / "s"
     with sweep_mps(sweep, wanted=True) as mps:
         pipe, logs = sweep.resolve() / ".mps" / "pipe", sweep.resolve() / ".mps" / "log"

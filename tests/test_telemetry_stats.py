@@ -206,7 +206,7 @@ def test_attention_statistics_read_a_qk_norm_over_the_whole_projection_and_a_sof
     attn = model.blocks[0].attn
     attn.q_norm, attn.k_norm = torch.nn.LayerNorm(32), torch.nn.LayerNorm(32)
 
-    def heads(x):
+    def heads(x, tap=None):  # the attention shows q and k to a tap itself; the probe here hooks q_norm
         B, T, C = x.shape
         q, k, v = attn.qkv(x).split(C, dim=2)
         q, k = attn.q_norm(q), attn.k_norm(k)

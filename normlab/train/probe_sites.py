@@ -1,0 +1,243 @@
+"""The forward side of a telemetry step: the tap that keeps the model's tensors (normlab.nn.tap), the identity that
+measures the residual stream's gradient in backward, and the statistics of every site computed at once.
+
+The statistics of one site are computed for all blocks together: the blocks' tensors stacked (in chunks of at
+most STACK_ELEMENTS elements), or reduced by one fused multi-tensor kernel (torch._foreach_norm), so a
+telemetry step launches a number of kernels that does not grow with depth (at the shapes where one chunk holds
+every block). Everything reduces, on the device, to two flat vectors per forward: sums, which micro-batches
+add up, and maxima. `Entry`s say which keys their values are; `read_entries` turns the transferred values into
+the statistics on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from normlab.keys import layer_key, parse
+from normlab.train.probe_stats import (
+    attention_stats,
+    feature_kurtosis,
+    head_entropy_stats,
+    l2_norms,
+    logz_sum,
+    max_abs,
+    max_median_ratios,
+    token_angles,
+    token_cos,
+    top_median_ratios,
+    units,
+)
+
+# A stack of blocks' tensors holds at most this many elements (256 MiB in float32): the medium preset's stream
+# (9 × 32 × 128 × 256) is one chunk; GPT-2 small's at batch 32 × 1024 is two blocks a chunk.
+STACK_ELEMENTS = 1 << 26
+
+
+class Collect(torch.autograd.Function):
+    """x itself in the forward; in the backward, the sum of squares of x's gradient (float32) as the gradient of
+    `collector`, a zero leaf: after backward `collector.grad` holds it, summed over the step's micro-batches.
+    Autograd, vmap and torch.compile's backward graph all run it as they run any other op."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, collector: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+
+
+class Recorder:
+    """The tap of a telemetry forward: keeps every tensor the model shows, by (site, block index or None), and
+    passes the embedding (`collectors[0]`) and each block's output stream (`collectors[i + 1]`) through Collect."""
+
+    def __init__(self, collectors: list[torch.Tensor], sites: dict | None = None, layer: int | None = None):
+        self.collectors = collectors
+        self.sites: dict[tuple[str, int | None], torch.Tensor] = {} if sites is None else sites
+        self.layer = layer
+
+    def __call__(self, site: str, x: torch.Tensor) -> torch.Tensor:
+        self.sites[site, self.layer] = x
+        if self.collectors and site in ("embed", "out"):
+            return Collect.apply(x, self.collectors[0 if self.layer is None else self.layer + 1])
+        return x
+
+    def block(self, index: int) -> "Recorder":
+        return Recorder(self.collectors, self.sites, index)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one forward's statistics depend on besides its tensors."""
+
+    labels: tuple[str, ...]  # the blocks' layer labels
+    rows: int  # how many leading sequences of this micro-batch are among the step's probed ones
+    softcap: float | None  # the attention's logit cap
+    fused: bool = True  # torch._foreach_norm for the RMS; under vmap (no batching rule for it) one norm each
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A run of transferred values: `width` of them per key, combined as `kind` says over `count` terms (per
+    micro-batch; the Probe adds the counts up)."""
+
+    kind: str  # rms (a sum of squares over `count` elements), mean, max, kurtosis, entropy
+    keys: tuple[str, ...]
+    width: int = 1
+    count: int = 0
+
+
+class Parts:
+    """One forward's statistics as they are transferred: the sums and the maxima, each one flat vector."""
+
+    def __init__(self):
+        self.values: dict[str, list[torch.Tensor]] = {"sum": [], "max": []}
+        self.entries: dict[str, list[Entry]] = {"sum": [], "max": []}
+
+    def add(self, kind: str, keys: tuple[str, ...], values: torch.Tensor, count: int = 0) -> None:
+        where = "max" if kind == "max" else "sum"
+        self.values[where].append(values if values.dim() == 1 else values.reshape(-1))
+        self.entries[where].append(Entry(kind, keys, values.numel() // len(keys), count))
+
+    def absent(self, kind: str, keys: tuple[str, ...], like: torch.Tensor, width: int = 1) -> None:
+        """Entries this forward does not measure (none of its sequences is probed): 0 to add, -inf to max."""
+        fill = -math.inf if kind == "max" else 0.0
+        self.add(kind, keys, torch.full((len(keys) * width,), fill, device=like.device), 0)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[Entry, ...], tuple[Entry, ...]]]:
+        return torch.cat(self.values["sum"]), torch.cat(self.values["max"]), (*map(tuple, self.entries.values()),)
+
+
+def forward_statistics(sites: dict, plan: Plan):
+    """Every activation statistic of one forward from the tensors a Recorder kept: (sums, maxima, entries)."""
+    parts = Parts()
+    _rms(parts, sites, plan)
+    embed = sites["embed", None]
+    parts.add("max", ("act/embed_max",), max_abs(embed, tuple(range(embed.dim()))).reshape(1))
+    stream = [sites["in", 0], *(sites["out", i] for i in range(len(plan.labels)))]
+    per_chunk = max(1, STACK_ELEMENTS // stream[0].numel() - 1)
+    for start in range(0, len(plan.labels), per_chunk):  # consecutive chunks share a block's stream
+        _stream(parts, torch.stack(stream[start : start + per_chunk + 1]).float(), plan.labels[start : start + per_chunk],
+                plan.rows)
+    _attention(parts, [sites["attn.q", i] for i in range(len(plan.labels))],
+               [sites["attn.k", i] for i in range(len(plan.labels))], plan)
+    logits = sites["logits", None]
+    parts.add("mean", ("out/logz",), logz_sum(logits).reshape(1), logits.numel() // logits.size(-1))
+    return parts.finish()
+
+
+def rms_key(site: str, label: str | None) -> str | None:
+    """The RMS key of a site's tensor, or None for a site whose RMS is not logged."""
+    if site == "embed":
+        return "act/embed_rms"
+    if site == "out":
+        return layer_key("act/resid_rms", label)
+    if site in ("attn.out", "mlp.out"):
+        return layer_key("act/out_rms", label, site.split(".")[0])
+    slot, _, end = site.rpartition(".")
+    if end not in ("in", "out") or not slot:
+        return None
+    loc = slot.removeprefix("attn.") if label is None else f"{label}/{slot.removeprefix('attn.')}"
+    return f"act/norm_{end}_rms/{loc}"
+
+
+def _rms(parts: Parts, sites: dict, plan: Plan) -> None:
+    """The RMS of every site that has one, by one fused norm (or one norm each under vmap)."""
+    by_site: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+    for (site, layer), x in sites.items():
+        key = rms_key(site, None if layer is None else plan.labels[layer])
+        if key is not None:
+            keys, tensors = by_site.setdefault(site, ([], []))
+            keys.append(key)
+            tensors.append(x)
+    tensors = [x for _, xs in by_site.values() for x in xs]
+    if plan.fused:
+        norms = l2_norms(tensors)
+    else:
+        norms = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32) for x in tensors])
+    squares, offset = norms.square(), 0
+    for keys, xs in by_site.values():
+        parts.add("rms", tuple(keys), squares[offset : offset + len(keys)], xs[0].numel())
+        offset += len(keys)
+
+
+def _stream(parts: Parts, s: torch.Tensor, labels: tuple[str, ...], rows: int) -> None:
+    """The stream statistics of the blocks `labels`, from `s` (len(labels) + 1, B, T, d): the stream entering
+    the first of them, then each one's output."""
+    B, T, d = s.shape[1:]
+
+    def keys(stat: str) -> tuple[str, ...]:
+        return tuple(layer_key(stat, label) for label in labels)
+
+    u = units(s)
+    angles = token_angles(u[:-1], u[1:])  # (blocks, B, T): each token's angle between the block's input and output
+    outs = s[1:]
+    parts.add("mean", keys("act/block_angle"), angles.sum((1, 2)), B * T)
+    # Gromov et al.'s and the Curse of Depth's angular distance: the sequence's last token alone.
+    parts.add("mean", keys("act/block_angle_last"), angles[..., -1].sum(-1), B)
+    parts.add("max", keys("act/resid_max"), max_abs(outs, (1, 2, 3)))
+    parts.add("kurtosis", keys("act/kurtosis"), outs.square().sum((1, 2)))
+    if T > 1:  # a pair of distinct tokens needs two
+        parts.add("mean", keys("act/token_cos"), token_cos(u[1:]).sum(-1), B)
+    if not rows:
+        parts.absent("mean", keys("act/max_median"), s)
+        parts.absent("max", keys("act/max_median_max"), s)
+        parts.absent("mean", keys("act/top_median"), s)
+        return
+    magnitudes = outs[:, :rows].abs()
+    ratios = max_median_ratios(magnitudes)  # (blocks, rows, T)
+    parts.add("mean", keys("act/max_median"), ratios.sum((1, 2)), rows * T)
+    parts.add("max", keys("act/max_median_max"), ratios.flatten(1).amax(-1))
+    parts.add("mean", keys("act/top_median"), top_median_ratios(magnitudes).sum(-1), rows)
+
+
+def _attention(parts: Parts, qs: list[torch.Tensor], ks: list[torch.Tensor], plan: Plan) -> None:
+    """The attention statistics of every block from its queries and keys (B, n_head, T, head_dim), on the
+    plan's rows, with the T×T scores of at most STACK_ELEMENTS elements at once."""
+    maxima = tuple(layer_key("attn/logit_max", label) for label in plan.labels)
+    entropies = tuple(layer_key("attn/entropy", label) for label in plan.labels)
+    B, H, T, _ = qs[0].shape
+    if not plan.rows:
+        parts.absent("max", maxima, qs[0])
+        parts.absent("entropy", entropies, qs[0], width=H)
+        return
+    per_chunk = max(1, STACK_ELEMENTS // max(qs[0].numel(), plan.rows * H * T * T))
+    for start in range(0, len(qs), per_chunk):
+        end = start + per_chunk
+        q, k = (torch.stack(xs[start:end])[:, : plan.rows] for xs in (qs, ks))
+        largest, entropy = attention_stats(q, k, plan.softcap)
+        parts.add("max", maxima[start:end], largest)
+        parts.add("entropy", entropies[start:end], entropy, plan.rows)
+
+
+def read_entries(entries: tuple[Entry, ...], counts: list[int], values: list[float]) -> dict[str, float]:
+    """The statistics of `entries` from their transferred `values`, with `counts` their terms over the step."""
+    stats: dict[str, float] = {}
+    offset = 0
+    for entry, count in zip(entries, counts):
+        for key in entry.keys:
+            stats.update(_finish(entry.kind, key, values[offset : offset + entry.width], count))
+            offset += entry.width
+    return stats
+
+
+def _finish(kind: str, key: str, values: list[float], count: int) -> dict[str, float]:
+    if kind == "rms":
+        return {key: math.sqrt(values[0] / count)}
+    if kind == "mean":
+        return {key: values[0] / count}
+    if kind == "kurtosis":
+        return {key: feature_kurtosis(values)}
+    if kind == "entropy":
+        mean, smallest = head_entropy_stats(values, count)
+        return {key: mean, layer_key("attn/entropy_min", parse(key).label): smallest}
+    return {key: values[0]}

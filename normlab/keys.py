@@ -25,7 +25,7 @@ _LAYER_KEY = re.compile(r"^(?P<stat>.+?)/L(?P<layer>\d+)(?:/(?P<part>.+))?$")
 RESID_RMS = "act/resid_rms"
 GRAD_NORM = "grad/norm"
 LAYER_PROFILES = (
-    (GRAD_NORM, "gradient norm", "L2 norm of each block's parameter gradient"),
+    (GRAD_NORM, "gradient norm", "L2 norm of the gradient of each block's attention and MLP weights"),
     (RESID_RMS, "residual-stream RMS", "RMS of the residual stream after each block"),
 )
 

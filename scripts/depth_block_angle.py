@@ -5,7 +5,7 @@ Per placement (at its best lr, the lowest mean final validation loss, where a sw
 validation loss, mean ± sample std over seeds; the block angle (act/block_angle: degrees between a block's input
 and output residual stream, averaged over tokens) of the first and the last block at the end; the largest
 max/median ratio of the residual stream over the blocks (act/max_median: a token's largest |activation| over its
-median one), at initialization and at the end; the stream's RMS after the last block at the end. Then the block
+median one, the token centred over its features first), at initialization and at the end; the stream's RMS after the last block at the end. Then the block
 angle of every block at the first and the last telemetry step, and at the end, where the runs logged them, the
 last token's block angle (act/block_angle_last) and Sun et al.'s top/median ratio (act/top_median) per block, and
 the norm slots that were eps-dominated (norm/eps_ratio below 1) at each telemetry step. Every per-block figure is

@@ -27,7 +27,7 @@ WEIGHT_STATS = ("update_ratio/", "norm/", "attn/")
 # magnitudes adds their rounding: held to 1e-4. Measured: 2.2e-5 apart (act/max_median_max/L00, BatchNorm post,
 # lr 1e-2, step 5), where the mean over tokens, act/max_median, stays within 1e-5.
 RATIO_TOLERANCE = 1e-4
-RATIO_STATS = ("act/max_median_max/", "act/top_median/")
+RATIO_STATS = ("act/max_median_max/", "act/top_median/", "act/top_median_max/")
 # A cosine, or an angle, carries the activations' rounding as an absolute error (about their relative error,
 # in radians), which is a large relative one near 0: mean cosines between near-orthogonal tokens (1e-7 apart
 # on -0.0026) and the angles of blocks near the identity (9e-6 degrees apart on 0.63, BatchNorm post). They

@@ -179,7 +179,7 @@ def test_step_zero_statistics_equal_a_manual_step(tmp_path, text_data, norm, pla
         expected[f"act/resid_rms/{label}"] = rms(h)
         expected[f"act/resid_max/{label}"] = h.abs().max().item()
         expected[f"grad/resid_rms/{label}"] = rms(h.grad)
-        expected[f"grad/norm/{label}"] = l2(p.grad for p in block.parameters())
+        expected[f"grad/norm/{label}"] = l2(p.grad for p in (*block.attn.parameters(), *block.mlp.parameters()))
         expected[f"grad/norm/{label}/attn"] = l2(p.grad for p in block.attn.parameters())
         expected[f"grad/norm/{label}/mlp"] = l2(p.grad for p in block.mlp.parameters())
         expected[f"grad/norm/{label}/norms"] = l2(p.grad for n in (block.norm1, block.norm2) for p in n.parameters())
@@ -328,7 +328,8 @@ def expected_keys(model: GPT) -> set[str]:
     for i, block in enumerate(model.blocks):
         L = f"L{i:02d}"
         keys |= {f"act/resid_rms/{L}", f"act/resid_max/{L}", f"grad/resid_rms/{L}", f"attn/logit_max/{L}", f"attn/entropy/{L}"}
-        stream_stats = ("block_angle", "block_angle_last", "token_cos", "kurtosis", "max_median", "max_median_max", "top_median")
+        stream_stats = ("block_angle", "block_angle_last", "token_cos", "kurtosis", "max_median", "max_median_max", "top_median",
+                        "top_median_max")
         keys |= {f"act/{stat}/{L}" for stat in stream_stats}
         keys.add(f"attn/entropy_min/{L}")
         for part in ("attn", "mlp"):
@@ -470,15 +471,23 @@ def test_qk_norm_gains_are_logged_as_norms_and_their_gradients_counted_under_nor
     assert attn.q_norm.weight.grad.abs().sum() > 0  # the gains do get a gradient: the test could fail
 
 
-def test_block_update_ratio_leaves_out_the_norm_gains():
+def test_block_figures_leave_out_the_norm_gains_and_the_residual_gates():
+    """grad/norm/L01 and update_ratio/L01 are over the attention's and the MLP's weights, with or without norms
+    and gates; those have keys of their own."""
     ratios = {}
-    for norm in ("layer", "none"):
+    for norm, gate in (("layer", "layerscale"), ("layer", "none"), ("none", "rezero")):
         torch.manual_seed(0)
-        stats = _probe_one_step(GPT(tiny_config(norm, "pre")))
-        ratios[norm] = stats
+        stats = _probe_one_step(GPT(tiny_config(norm, "pre", residual_gate=gate)))
+        ratios[norm, gate] = stats
         attn, mlp = stats["update_ratio/L01/attn"], stats["update_ratio/L01/mlp"]
         assert min(attn, mlp) <= stats["update_ratio/L01"] <= max(attn, mlp)  # a mix of the two, nothing else
-    assert ratios["layer"]["update_ratio/L01/norms"] > 0 and "update_ratio/L01/norms" not in ratios["none"]
+        grads = stats["grad/norm/L01/attn"], stats["grad/norm/L01/mlp"]
+        assert stats["grad/norm/L01"] == pytest.approx(math.hypot(*grads), rel=1e-6)
+        assert ("grad/norm/L01/gate1" in stats) == ("update_ratio/L01/gate2" in stats) == (gate != "none")
+    assert ratios["layer", "none"]["update_ratio/L01/norms"] > 0 and "update_ratio/L01/norms" not in ratios["none", "rezero"]
+    gated = ratios["layer", "layerscale"]
+    assert gated["grad/norm/L01/gate1"] > 0 and gated["update_ratio/L01/gate2"] > 0
+    assert math.isnan(ratios["none", "rezero"]["update_ratio/L01/gate1"])  # ReZero's gate starts at 0: no ratio
 
 
 def test_fused_parameter_norms_equal_the_per_tensor_ones():

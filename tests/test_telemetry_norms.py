@@ -99,6 +99,32 @@ def test_eps_rms_is_where_eps_equals_the_inputs_mean_square():
     assert rms(norm(x)) == pytest.approx(1 / math.sqrt(2), rel=1e-6)
 
 
+def test_an_eps_dominated_norm_scales_by_the_gain_the_docs_give():
+    """docs/telemetry.md, norm/eps_ratio, with r = input RMS / eps_rms and unit gains. RMSNorm, LayerNorm and
+    BatchNorm: output RMS at most r/sqrt(1 + r^2) (about r below 1), equal for RMSNorm when every token has one
+    RMS, whose gain is then 1/sqrt(ms + eps), 1/sqrt(eps) as r -> 0. ScaleNorm: below 1, exactly x·g/eps and
+    output RMS g·r/sqrt(d) (r at g = sqrt(d)); above 1, g/sqrt(d). L2: x/eps, output RMS r/sqrt(d)."""
+    d, eps = 32, 1e-4
+    x = torch.randn(6, 5, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = x * torch.linspace(0.2, 2.0, 5, dtype=torch.float64)[:, None]  # tokens of unequal RMS
+    same = x / x.pow(2).mean(-1, keepdim=True).sqrt()  # every token at RMS 1
+    for r in (0.01, 0.5, 1.0, 3.0):
+        for norm in (RMSNorm(d, eps, weight=False), LayerNorm(d, eps, weight=False, bias=False),
+                     BatchNorm(d, eps, weight=False, bias=False)):
+            assert rms(norm(x * (r * norm.eps_rms() / rms(x)))) <= r / math.sqrt(1 + r * r) * (1 + 1e-6), (norm, r)
+        rms_norm = RMSNorm(d, eps, weight=False)
+        equal = same * r * rms_norm.eps_rms()
+        assert rms(rms_norm(equal)) == pytest.approx(r / math.sqrt(1 + r * r), rel=1e-5)
+        torch.testing.assert_close(rms_norm(equal), equal / math.sqrt((r * r + 1) * eps), rtol=1e-5, atol=0)
+        scale, unit = ScaleNorm(d, eps), L2Norm(d, eps)
+        tokens = same * r * scale.eps_rms()  # ‖x‖ = r·eps for every token
+        if r < 1:
+            torch.testing.assert_close(scale(tokens), tokens * math.sqrt(d) / eps, rtol=1e-5, atol=0)
+            torch.testing.assert_close(unit(tokens), tokens / eps, rtol=1e-5, atol=0)
+        assert rms(scale(tokens)) == pytest.approx(min(r, 1.0), rel=1e-5)  # g = sqrt(d): g·r/sqrt(d) = r below 1
+        assert rms(unit(tokens)) == pytest.approx(min(r, 1.0) / math.sqrt(d), rel=1e-5)
+
+
 def test_eps_ratio_is_the_input_rms_over_sqrt_eps_and_the_warning_names_each_dominated_slot_once():
     """The tiny model under placement=reordered at init (GPT-2's N(0, 0.02) weights, width 32): every branch
     norm's input is a sublayer's output far below sqrt(1e-5); the final norm reads the stream, far above it."""

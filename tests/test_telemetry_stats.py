@@ -34,7 +34,7 @@ from test_wandb import OfflineRun, no_user_wandb_settings  # noqa: F401  (a fixt
 from test_wandb import _cfg as wandb_cfg
 
 NEW_STATS = ("act/block_angle", "act/block_angle_last", "act/token_cos", "act/kurtosis", "act/max_median",
-             "act/max_median_max", "act/top_median", "attn/entropy_min")
+             "act/max_median_max", "act/top_median", "act/top_median_max", "attn/entropy_min")
 
 
 # ---------------------------------------------------------------- by hand, one value at a time
@@ -70,10 +70,12 @@ def kurtosis_by_hand(y: np.ndarray) -> float:
 
 
 def max_median_by_hand(y: np.ndarray) -> list[float]:
-    """For each token: max |y_j| over the features / the lower median of |y_j|."""
+    """For each token, centred over its features (c_j = y_j − mean y): max |c_j| / the lower median of |c_j|,
+    as He et al.'s code (bobby-he/simplified_transformers, train_utils.py) takes it."""
     out = []
     for token in y.reshape(-1, y.shape[-1]):
-        magnitudes = sorted(abs(float(v)) for v in token)
+        mean = sum(float(v) for v in token) / len(token)
+        magnitudes = sorted(abs(float(v) - mean) for v in token)
         out.append(magnitudes[-1] / magnitudes[(len(magnitudes) - 1) // 2])
     return out
 
@@ -108,11 +110,11 @@ def feature_square_sums(y: torch.Tensor) -> torch.Tensor:
 
 
 def max_median_sum(y: torch.Tensor) -> torch.Tensor:
-    return max_median_ratios(y.abs()).sum()
+    return max_median_ratios(y).sum()
 
 
 def top_median_sum(y: torch.Tensor) -> torch.Tensor:
-    return top_median_ratios(y.abs()).sum()
+    return top_median_ratios(y).sum()
 
 
 def test_block_angle_of_known_angles_and_of_a_fixed_tensor():
@@ -148,6 +150,21 @@ def test_kurtosis_is_he_et_al_s_over_the_features_rms():
     assert feature_kurtosis(feature_square_sums(outlier).tolist()) == pytest.approx((1e4 + 3) / 4 / (103 / 4) ** 2)
 
 
+def test_he_et_al_s_code_logs_d_over_d_minus_1_times_the_centred_kurtosis_minus_1():
+    """Their code centres each token over its features, divides by the stream's RMS and logs the unbiased variance
+    over the features of the mean squares (the diagonal of the features' Gram matrix over tokens): written here
+    from that description, it is d/(d - 1)·(K_c - 1), K_c act/kurtosis's K of the centred stream, which differs
+    from K of the stream as it is when its tokens have a mean over their features."""
+    d = 16
+    y = fixed(3, 5, d).double() * torch.linspace(0.5, 3.0, d, dtype=torch.float64) + 0.7  # uneven features, offset
+    centred = y - y.mean(-1, keepdim=True)
+    flat = centred.reshape(-1, d) / centred.pow(2).mean().sqrt()
+    logged = flat.pow(2).mean(0).var(correction=1).item()
+    k_centred = feature_kurtosis(feature_square_sums(centred).tolist())
+    assert logged == pytest.approx(d / (d - 1) * (k_centred - 1), rel=1e-5)
+    assert abs(feature_kurtosis(feature_square_sums(y).tolist()) - k_centred) > 0.01  # act/kurtosis is not centred
+
+
 @pytest.mark.parametrize("d", [1, 2, 7, 8, 33])
 def test_lower_median_is_torchs_median_read_off_a_sort(d):
     from normlab.train.probe_stats import sorted_lower_median
@@ -158,26 +175,54 @@ def test_lower_median_is_torchs_median_read_off_a_sort(d):
     torch.testing.assert_close(sorted_lower_median(a), a.median(-1).values, rtol=0, atol=0)
 
 
-def test_max_median_per_token_with_the_lower_median():
-    y = torch.tensor([[[1.0, -2.0, 3.0, -8.0], [0.5, 0.5, -4.0, 1.0]]])  # |y| sorted: 1,2,3,8 and 0.5,0.5,1,4
-    assert max_median_sum(y).item() == pytest.approx(8 / 2 + 4 / 0.5)
+def test_max_median_per_token_centred_with_the_lower_median():
+    # Means -1.5 and -0.5; |y - mean| sorted: 0.5, 2.5, 4.5, 6.5 and 1, 1, 1.5, 3.5.
+    y = torch.tensor([[[1.0, -2.0, 3.0, -8.0], [0.5, 0.5, -4.0, 1.0]]])
+    assert max_median_sum(y).item() == pytest.approx(6.5 / 2.5 + 3.5 / 1)
     y = fixed(2, 3, 7)
     assert max_median_sum(y).item() == pytest.approx(sum(max_median_by_hand(y.double().numpy())), rel=1e-5)
 
 
+def test_max_median_ignores_an_offset_shared_by_a_tokens_features_and_stays_below_d_for_one_massive_feature():
+    """Centring (He et al.'s code) takes out what all of a token's features share: an offset of 50 leaves each
+    token's ratio as it was, where uncentred it would fall to about 1. One feature at M among d of size 1 moves
+    the others by M/d, so the ratio tends to d - 1 as M grows (d = 64: 62.6 at M = 1e4), not to M."""
+    y = fixed(4, 5, 64, seed=3)
+    torch.testing.assert_close(max_median_ratios(y + 50.0), max_median_ratios(y), rtol=1e-4, atol=0)
+    shifted = (y + 50.0).abs()
+    assert (shifted.amax(-1) / shifted.median(-1).values).max() < 1.2 < max_median_ratios(y).min()  # uncentred
+    token = torch.tensor([1.0, -1.0] * 32)
+    token[0] = 1e4
+    mean = (1e4 - 1) / 64
+    assert max_median_ratios(token).item() == pytest.approx((1e4 - mean) / (1 + mean), rel=1e-6)
+    assert 60 < max_median_ratios(token).item() < 63
+
+
 def test_massive_activations_reach_sun_et_al_s_threshold_where_the_per_token_mean_cannot():
-    """One massive feature in one token of 16: He et al.'s per-token ratio averaged over the tokens stays far
-    below 1,000; its largest token and Sun et al.'s ratio (top |y| / median of the sequence) reach it."""
-    y = torch.ones(1, 16, 8, dtype=torch.float64)
-    y[0, :, 0] = 2.0  # every token: max 2, median 1
-    y[0, 3, 5] = 3000.0  # the massive activation
-    ratios = max_median_ratios(y.abs()).flatten()
+    """One massive token of 16: He et al.'s per-token ratio averaged over the tokens stays far below 1,000; its
+    largest token and Sun et al.'s ratio (top |y| / median of the sequence) reach it. Every token's features
+    have mean 0 here, so centring them changes nothing."""
+    y = torch.tensor([2.0, -2.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0], dtype=torch.float64).repeat(1, 16, 1)  # max 2, median 1
+    y[0, 3, :2] = torch.tensor([3000.0, -3000.0])  # the massive activation
+    ratios = max_median_ratios(y).flatten()
     assert ratios.tolist() == [2.0] * 3 + [3000.0] + [2.0] * 12
     assert max_median_sum(y).item() / 16 == pytest.approx((15 * 2 + 3000) / 16)  # act/max_median: 189
     assert ratios.amax().item() == 3000.0  # act/max_median_max
     assert top_median_sum(y).item() == 3000.0  # act/top_median: the median of the 128 values is 1
     y = fixed(3, 5, 6)
     assert top_median_sum(y).item() == pytest.approx(sum(top_median_by_hand(y.double().numpy())), rel=1e-6)
+
+
+def test_one_massive_sequence_among_eight_shows_in_the_largest_sequence_ratio():
+    """Seven sequences at 3.6x and one at 1,000x (Sun et al.'s threshold): their mean (act/top_median) is 128,
+    neither, while the largest (act/top_median_max) is the massive sequence's own ratio."""
+    y = torch.ones(8, 4, 8, dtype=torch.float64)
+    y[:, 0, 0] = 3.6
+    y[5, 2, 3] = 1000.0
+    ratios = top_median_ratios(y)
+    assert ratios.tolist() == pytest.approx([3.6] * 5 + [1000.0] + [3.6] * 2, rel=1e-6)  # in float32
+    assert top_median_sum(y).item() / 8 == pytest.approx((7 * 3.6 + 1000) / 8)  # act/top_median: 128.15
+    assert ratios.amax().item() == 1000.0  # act/top_median_max
 
 
 def test_entropy_min_is_the_smallest_head_mean():
@@ -249,8 +294,8 @@ def test_statistics_of_stacked_blocks_equal_each_blocks_own():
         torch.testing.assert_close(entropy[i], alone[1], rtol=1e-6, atol=0)
         for stacked, one in ((token_angles(units(y[:-1]), units(y[1:]))[min(i, 2)], block_angle_sum(y[min(i, 2)], y[min(i, 2) + 1])),
                              (token_cos(units(y))[i].sum(), token_cos_sum(y[i])),
-                             (max_median_ratios(y.abs())[i].sum(), max_median_sum(y[i])),
-                             (top_median_ratios(y.abs())[i].sum(), top_median_sum(y[i]))):
+                             (max_median_ratios(y)[i].sum(), max_median_sum(y[i])),
+                             (top_median_ratios(y)[i].sum(), top_median_sum(y[i]))):
             torch.testing.assert_close(stacked.sum(), one, rtol=1e-6, atol=1e-6)
 
 
@@ -281,6 +326,7 @@ def test_logged_values_equal_a_forward_by_hand(tmp_path, text_data):
             expected[f"act/max_median/{label}"] = np.mean(max_median_by_hand(after[:PROBE_SEQS]))
             expected[f"act/max_median_max/{label}"] = max(max_median_by_hand(after[:PROBE_SEQS]))
             expected[f"act/top_median/{label}"] = np.mean(top_median_by_hand(after[:PROBE_SEQS]))
+            expected[f"act/top_median_max/{label}"] = max(top_median_by_hand(after[:PROBE_SEQS]))
             expected[f"attn/entropy_min/{label}"] = min(head_entropies_by_hand(q, k))
             h = out
         expected["out/logz"] = np.mean(logz_by_hand(model.head(model.norm_f(h)).double().numpy()))

@@ -19,7 +19,7 @@ from normlab.analysis.records import METRICS
 from normlab.analysis.repeats import drop_repeats
 from normlab.analysis.runs import CompareError, Run, load_run
 
-EPS_RATIO_PREFIX = "norm/eps_ratio/"  # telemetry's input RMS / sqrt(eps) per norm slot (normlab.train.probe_norms)
+EPS_RATIO_PREFIX = "norm/eps_ratio/"  # telemetry's input RMS / Norm.eps_rms per norm slot (normlab.train.probe_norms)
 
 
 @dataclass
@@ -139,8 +139,8 @@ def eps_warning(result: ArmResult) -> str | None:
     if not steps:
         return None
     slots = ", ".join(f"{loc} (step {min(s)}{'' if min(s) == max(s) else f'–{max(s)}'})" for loc, s in steps.items())
-    return (f"{result.arm.label}: eps-dominated norms, input RMS below sqrt(eps) ({EPS_RATIO_PREFIX}*): {slots}; "
-            f"they scale by about 1/sqrt(eps) instead of normalizing, so the arm is not the norm it names there")
+    return (f"{result.arm.label}: eps-dominated norms, input RMS below where eps takes over ({EPS_RATIO_PREFIX}* < 1): "
+            f"{slots}; they scale by a gain eps sets instead of normalizing, so the arm is not the norm it names there")
 
 
 def _once_each(members: list[Run], keys: list[str], notes: list[str]) -> list[Run]:

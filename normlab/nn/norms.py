@@ -323,7 +323,8 @@ class ScaleNorm(Norm):
         return (self.g.float() * F.normalize(x.float(), dim=-1, eps=self.eps)).to(x.dtype)
 
     def eps_rms(self) -> float:
-        """ε bounds ‖x‖ = √d · RMS from below: ε/√d."""
+        """ε bounds ‖x‖ = √d · RMS from below: ε/√d. Below it the output is exactly g·x/ε (L2: x/ε): the
+        gain is g/ε, not the 1/√ε of a norm that adds ε to a mean square."""
         return self.eps / math.sqrt(self.dim)
 
     def extra_repr(self) -> str:

@@ -24,14 +24,16 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     act/embed_rms, act/embed_max            token + position embedding (before embed_norm's norm)
     act/block_angle/L03, act/token_cos/L03  input/output angle of block 3; cosine between its output's tokens
     act/block_angle_last/L03                the input/output angle of each sequence's last token
-    act/kurtosis/L03, act/max_median/L03    outlier features and massive activations after block 3
-    act/max_median_max/L03, act/top_median/L03   the largest per-token ratio; Sun et al.'s per-sequence ratio
+    act/kurtosis/L03                        outlier features after block 3 (He et al.'s K of the features' RMS)
+    act/max_median/L03, .../max_median_max  a token's max/median |x| after centring it, mean and largest over tokens
+    act/top_median/L03, act/top_median_max/L03   Sun et al.'s per-sequence ratio: mean and largest over sequences
     grad/resid_rms/L03, grad/embed_rms      RMS of dLoss/d(stream) after block 3 / d(embedding)
-    grad/norm/L03, grad/norm/L03/{attn,mlp,norms}, grad/embed_norm, grad/norm_embed_norm, grad/norm_f_norm
-    update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms}, update_ratio/embed, .../norm_embed,
-        .../norm_f
+    grad/norm/L03 (attn and mlp together), grad/norm/L03/{attn,mlp,norms,gate1,gate2}, grad/embed_norm,
+        grad/norm_embed_norm, grad/norm_f_norm
+    update_ratio/L03 (attn and mlp together), update_ratio/L03/{attn,mlp,norms,gate1,gate2}, update_ratio/embed,
+        .../norm_embed, .../norm_f
     norm/gain_mean/L03/norm1, .../L03/q_norm (QK-norm), .../norm_embed, norm/gain_std/..., norm/alpha/...,
-        norm/shift/... (Derf), norm/running_var/..., norm/eps_ratio/... (input RMS / sqrt(eps))
+        norm/shift/... (Derf), norm/running_var/..., norm/eps_ratio/... (input RMS / Norm.eps_rms)
     attn/logit_max/L03, attn/entropy/L03, attn/entropy_min/L03
     out/logz                                mean log-partition function of the output logits
 """

@@ -106,7 +106,8 @@ def eps_floors(norms: Mapping[str, nn.Module]) -> dict[str, float]:
 
 def eps_ratios(stats: Mapping[str, float], floors: Mapping[str, float]) -> dict[str, float]:
     """norm/eps_ratio/<loc> = act/norm_in_rms/<loc> / the norm's eps_rms, for the norms measured in `stats`.
-    Below 1 the norm is eps-dominated: ε exceeds its input's mean square."""
+    Below 1 the norm is eps-dominated: its ε, not its input, sets its scale (ε exceeds the input's mean square,
+    or for ScaleNorm and L2 its norm ‖x‖)."""
     return {f"{EPS_RATIO}/{loc}": stats[f"act/norm_in_rms/{loc}"] / floor
             for loc, floor in floors.items() if f"act/norm_in_rms/{loc}" in stats}
 
@@ -127,5 +128,6 @@ class EpsWarnings:
             return None
         self.warned |= new.keys()
         slots = ", ".join(f"{loc} ({ratio:.2g})" for loc, ratio in new.items())
-        return (f"eps-dominated norms at step {step}, input RMS / sqrt(eps) below 1 ({EPS_RATIO}): {slots}; "
-                f"such a norm scales its input by about 1/sqrt(eps) instead of normalizing it")
+        return (f"eps-dominated norms at step {step}, input RMS below where eps takes over ({EPS_RATIO} < 1): "
+                f"{slots}; such a norm scales its input by a gain eps sets (about 1/sqrt(eps) for LayerNorm, RMSNorm "
+                f"and BatchNorm, g/eps for ScaleNorm, 1/eps for L2) instead of normalizing it")

@@ -17,10 +17,10 @@ GROUP_GRAD_KEYS = {"embed": "grad/embed_norm", "norm_embed": "grad/norm_embed_no
 
 def param_groups(model: nn.Module, labels: tuple[str, ...]) -> tuple[list[nn.Parameter], dict[str, list[int]]]:
     """The model's parameters (each once) and groups of their indices by location: 'L03' (the whole block),
-    'L03/attn', 'L03/mlp', 'L03/norms', 'L03/gate1', 'embed', 'norm_embed', 'norm_f'.
+    'L03/attn', 'L03/mlp', 'L03/norms', 'L03/gate1', 'L03/gate2' (residual gates), 'embed', 'norm_embed', 'norm_f'.
 
     'L03/norms' holds every norm parameter of the block, QK-norm's gains included; 'L03/attn' holds the
-    attention's projections only."""
+    attention's projections only. The keys of 'L03' are over a part of it (`figure_members`)."""
     params: list[nn.Parameter] = []
     index: dict[int, int] = {}
 
@@ -49,10 +49,12 @@ def param_groups(model: nn.Module, labels: tuple[str, ...]) -> tuple[list[nn.Par
     return params, {loc: members for loc, members in groups.items() if members}
 
 
-def update_members(groups: dict[str, list[int]], loc: str, labels: tuple[str, ...]) -> list[int]:
-    """The parameters of update_ratio/<loc>: a whole block's figure ('L03') is over its sublayers' weights
-    (attn and mlp) alone. Norm gains sit near 1 and, in the denominator, would make the figure differ between
-    norms whose sublayers update alike; they have update_ratio/L03/norms."""
+def figure_members(groups: dict[str, list[int]], loc: str, labels: tuple[str, ...]) -> list[int]:
+    """The parameters of grad/norm/<loc> and update_ratio/<loc>: a whole block's figures ('L03') are over its
+    sublayers' weights (attn and mlp) alone, its norms' and residual gates' parameters left out, so that they
+    compare across arms that differ in norms and gates: a norm or gate adds to the figures of the arms that have
+    one, and norm gains, near 1, would set an update ratio's denominator. Those parameters have their own keys
+    (L03/norms, L03/gate1, L03/gate2)."""
     if loc not in labels:
         return groups[loc]
     return groups.get(f"{loc}/attn", []) + groups.get(f"{loc}/mlp", [])
@@ -63,13 +65,13 @@ def group_stats(groups: dict[str, list[int]], labels: tuple[str, ...], grad: lis
     """grad/norm/<loc> (and GROUP_GRAD_KEYS) and update_ratio/<loc> from each parameter's gradient, weight and
     update norms (empty lists: not measured)."""
     stats = {}
-    for loc, members in groups.items():
+    for loc in groups:
+        members = figure_members(groups, loc, labels)
         if grad:
             stats[GROUP_GRAD_KEYS.get(loc, f"grad/norm/{loc}")] = _group_norm(grad, members)
         if delta:
-            updated = update_members(groups, loc, labels)
-            norm = _group_norm(weight, updated)
-            stats[f"update_ratio/{loc}"] = _group_norm(delta, updated) / norm if norm > 0 else math.nan
+            norm = _group_norm(weight, members)
+            stats[f"update_ratio/{loc}"] = _group_norm(delta, members) / norm if norm > 0 else math.nan
     return stats
 
 

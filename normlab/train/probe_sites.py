@@ -36,6 +36,11 @@ from normlab.train.probe_stats import (
 STACK_ELEMENTS = 1 << 26
 
 
+# The statistics of the probed sequences alone: absent from a micro-batch that holds none of them.
+MEDIAN_STATS = (("mean", "act/max_median"), ("max", "act/max_median_max"), ("mean", "act/top_median"),
+                ("max", "act/top_median_max"))
+
+
 class Collect(torch.autograd.Function):
     """x itself in the forward; in the backward, the sum of squares of x's gradient (float32) as the gradient of
     `collector`, a zero leaf: after backward `collector.grad` holds it, summed over the step's micro-batches.
@@ -189,15 +194,16 @@ def _stream(parts: Parts, s: torch.Tensor, labels: tuple[str, ...], rows: int) -
     if T > 1:  # a pair of distinct tokens needs two
         parts.add("mean", keys("act/token_cos"), token_cos(u[1:]).sum(-1), B)
     if not rows:
-        parts.absent("mean", keys("act/max_median"), s)
-        parts.absent("max", keys("act/max_median_max"), s)
-        parts.absent("mean", keys("act/top_median"), s)
+        for kind, stat in MEDIAN_STATS:
+            parts.absent(kind, keys(stat), s)
         return
-    magnitudes = outs[:, :rows].abs()
-    ratios = max_median_ratios(magnitudes)  # (blocks, rows, T)
+    probed = outs[:, :rows]
+    ratios = max_median_ratios(probed)  # (blocks, rows, T)
     parts.add("mean", keys("act/max_median"), ratios.sum((1, 2)), rows * T)
     parts.add("max", keys("act/max_median_max"), ratios.flatten(1).amax(-1))
-    parts.add("mean", keys("act/top_median"), top_median_ratios(magnitudes).sum(-1), rows)
+    top = top_median_ratios(probed)  # (blocks, rows)
+    parts.add("mean", keys("act/top_median"), top.sum(-1), rows)
+    parts.add("max", keys("act/top_median_max"), top.amax(-1))
 
 
 def _attention(parts: Parts, qs: list[torch.Tensor], ks: list[torch.Tensor], plan: Plan) -> None:

@@ -40,7 +40,8 @@ def feature_kurtosis(square_sums: list[float]) -> float:
     """He et al. (2024)'s kurtosis of the features' RMS: with s_j the RMS of feature j over the tokens,
     mean_j(s_j⁴) / mean_j(s_j²)². It is 1 when every feature has the same RMS and grows with outlier features
     (a few features far larger than the rest); it is not centred and not an excess kurtosis (a Gaussian
-    stream gives about 1, not 3). `square_sums`: Σ_t y_tj² per feature (the token count cancels)."""
+    stream gives about 1, not 3). Their code logs d/(d−1)·(K−1) of the stream centred per token instead
+    (docs/telemetry.md). `square_sums`: Σ_t y_tj² per feature (the token count cancels)."""
     m2 = sum(square_sums) / len(square_sums)
     m4 = sum(v * v for v in square_sums) / len(square_sums)
     return m4 / (m2 * m2) if m2 > 0 else math.nan
@@ -60,17 +61,20 @@ def sorted_lower_median(a: torch.Tensor) -> torch.Tensor:
     return a.sort(-1).values[..., (a.size(-1) - 1) // 2]
 
 
-def max_median_ratios(magnitudes: torch.Tensor) -> torch.Tensor:
-    """Each token's max_j |y_j| / median_j |y_j|, for `magnitudes` |y| (..., d): one entry per token (...). The
-    median is torch's: for an even d the lower of the two middle values (as in He et al.'s code)."""
+def max_median_ratios(y: torch.Tensor) -> torch.Tensor:
+    """Each token's max_j |c_j| / median_j |c_j|, c_j = y_j − mean_j y_j (the token centred over its d features),
+    for `y` (..., d): one entry per token (...). As He et al.'s code takes it: centred, and torch's median (for
+    an even d the lower of the two middle values)."""
+    y = y.float()
+    magnitudes = (y - y.mean(-1, keepdim=True)).abs()
     return magnitudes.amax(-1) / lower_median(magnitudes)
 
 
-def top_median_ratios(magnitudes: torch.Tensor) -> torch.Tensor:
-    """Massive activations as Sun et al. (2024) measure them, for `magnitudes` |y| (..., T, d): per sequence, the
+def top_median_ratios(y: torch.Tensor) -> torch.Tensor:
+    """Massive activations as Sun et al. (2024) measure them, for `y` (..., T, d): per sequence, the
     largest |y| over its tokens and features / the median |y| over the same T·d values (torch's lower median).
-    Shape (...)."""
-    flat = magnitudes.flatten(-2)
+    Shape (...): their mean over the sequences is act/top_median, their largest act/top_median_max."""
+    flat = y.float().abs().flatten(-2)
     return flat.amax(-1) / lower_median(flat)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -25,7 +26,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "python scripts/gpu_acceptance.py"
 # Keys of metrics.jsonl rows and summary.json that are times, not results: they differ between any two runs.
-TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step")
+TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step", "phases")
 # What --smoke changes in a `normlab train` command: a 2-block, 32-wide model, 4 × 16 tokens, a few steps, the CPU,
 # no wandb (an offline wandb run costs a job a second or two, and the packed sweep has 21).
 SMOKE_RUN = {"model": "tiny", "batch_size": "4", "seq_len": "16", "eval_batches": "1", "max_steps": "4",
@@ -313,25 +314,78 @@ def resumed_equals_whole(ctx: Context, run: list[str]) -> tuple[bool | None, str
                   + ("equal, every key but the times" if same else f"differ first at step {(differ or ['(count)'])[0]}"))
 
 
-def suite(ctx: Context) -> None:
-    """`python -m pytest -q` (tests/test_cuda.py included); with smoke, tests/test_cuda.py and one quick file."""
-    import re
+PROGRESS = re.compile(r"^([.sFExX]+)\s*(?:\[\s*(\d+)%\])?$")
 
-    args = ["-n", "0", "tests/test_cuda.py", "tests/test_schedule.py"] if ctx.smoke else []
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT,
-                          capture_output=True, text=True)
-    print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n", flush=True)
-    lines = proc.stdout.strip().splitlines()
-    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (failed|passed|errors?|skipped)", lines[-1] if lines else "")}
+
+def pytest_counts(lines: list[str]) -> dict[str, int]:
+    """passed, failed, error(s), skipped of pytest's summary line (the last), {} without one."""
+    return {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
+            for n, kind in re.findall(r"(\d+) (failed|passed|errors?|skipped)", lines[-1] if lines else "")}
+
+
+def pytest_progress(lines: list[str]) -> tuple[dict[str, int], int | None]:
+    """What pytest -q's progress lines show so far (a run cut off before its summary): counts by outcome, and
+    the last percentage printed."""
+    chars, percent = "", None
+    for line in lines:
+        match = PROGRESS.match(line.strip())
+        if match:
+            chars += match.group(1)
+            percent = int(match.group(2)) if match.group(2) else percent
+    return {"passed": chars.count("."), "failed": chars.count("F"), "error": chars.count("E"),
+            "skipped": chars.count("s")}, percent
+
+
+def suite(ctx: Context) -> None:
+    """tests/test_cuda.py first (`-n 0`), then the rest of `python -m pytest -q`; the figures count both. Each
+    part reports as it ends; a stage cut off while the rest runs reports what the rest reached (its progress
+    line), marked not met. With smoke the rest is tests/test_schedule.py alone."""
+    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    first = subprocess.run([*run, "-n", "0", "tests/test_cuda.py"], cwd=ROOT, capture_output=True, text=True)
+    print(first.stdout[-20000:], first.stderr[-5000:], sep="\n", flush=True)
+    lines = first.stdout.strip().splitlines()
+    cuda = pytest_counts(lines)
+    if not cuda:
+        raise RuntimeError(f"pytest tests/test_cuda.py exited {first.returncode} without its summary line: "
+                           f"{' '.join(lines[-3:])[-300:]}")
+    names = [line.split(" ")[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    rest = ["-n", "0", "tests/test_schedule.py"] if ctx.smoke else ["--ignore", "tests/test_cuda.py"]
+    command = f"python -m pytest -q -n 0 tests/test_cuda.py; python -m pytest -q {' '.join(rest)}"
+    scope = "smoke: the rest is tests/test_schedule.py alone; " if ctx.smoke else ""
+    cuda_text = f"tests/test_cuda.py: {lines[-1].strip('= ')}"
+    report_suite(ctx, cuda, names, f"{scope}{cuda_text}; the rest not reached", command, done=False)
+    log_path = ctx.workdir / "rest.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([*run, *rest], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+        def cut_off(signum, frame):  # the driver's stop: pytest (same process group) got the signal too
+            proc.wait()
+            counts, percent = pytest_progress(log_path.read_text().splitlines())
+            report_suite(ctx, add(cuda, counts), names, f"{scope}{cuda_text}; the rest cut off by "
+                         f"{signal.Signals(signum).name} at {percent}% of its tests: {counts}", command, done=False)
+            sys.exit(128 + signum)
+
+        signal.signal(signal.SIGTERM, cut_off)
+        proc.wait()
+    lines = log_path.read_text().strip().splitlines()
+    print("\n".join(lines[-200:]), flush=True)
+    counts = pytest_counts(lines)
     if not counts:
         raise RuntimeError(f"pytest exited {proc.returncode} without its summary line: {' '.join(lines[-3:])[-300:]}")
-    failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
-    names = [line.split(" ")[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    scope = "smoke: tests/test_cuda.py and tests/test_schedule.py only, -n 0; " if ctx.smoke else ""
-    command = f"python -m pytest -q {' '.join(args)}".strip()
-    detail = f"{scope}{lines[-1].strip('= ')}" + (f"; first: {', '.join(names[:5])}" if names else "")
-    ctx.report("suite_failed", failed, detail, None, command)
-    ctx.report("suite_passed", counts.get("passed", 0), detail, None, command)
+    names += [line.split(" ")[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    report_suite(ctx, add(cuda, counts), names, f"{scope}{cuda_text}; the rest: {lines[-1].strip('= ')}", command)
+
+
+def add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {key: a.get(key, 0) + b.get(key, 0) for key in {*a, *b}}
+
+
+def report_suite(ctx: Context, counts: dict[str, int], names: list[str], detail: str, command: str,
+                 done: bool = True) -> None:
+    failed = counts.get("failed", 0) + counts.get("error", 0)
+    detail += f"; first failures: {', '.join(names[:5])}" if names else ""
+    ctx.report("suite_failed", failed, detail, None, command, ok=done)
+    ctx.report("suite_passed", counts.get("passed", 0), detail, None, command, ok=done)
 
 
 def torchrun(ctx: Context) -> None:

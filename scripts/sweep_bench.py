@@ -1,12 +1,13 @@
 """Sweep throughput of hydra/launcher=normlab: one sweep at several jobs per GPU, timed, results compared.
 
-    python scripts/sweep_bench.py [--per-gpu 1,2,4,8] [OVERRIDE ...]
+    python scripts/sweep_bench.py [--per-gpu 1,2,4,8] [--mps false,true] [OVERRIDE ...]
 
 Default sweep: issue 13's 8-arm `norm=none,layer,rms,batch placement=pre,post model=medium max_steps=300`
 (on one H100: 106 s one job at a time; the target is <= 20 s). Each setting runs as the real command
 with `hydra.launcher.jobs_per_gpu=K`; the script prints its wall time, the jobs' own time in train()
 (summary.json's wall_time_s) and the overhead around it per job, and checks that every setting's final
-validation losses equal the first setting's (same jobs, seeds and batches). Set CUDA_VISIBLE_DEVICES to
+validation losses equal the first setting's (same jobs, seeds and batches). `--mps false,true` times each
+setting without and with NVIDIA MPS (hydra.launcher.mps; a setting of one job per GPU never uses it). Set CUDA_VISIBLE_DEVICES to
 choose the GPUs (e.g. 0 then 0,1 for the scaling over GPUs). Without a GPU the launcher runs the
 jobs one after another whatever K, so use `hydra.launcher.cpu_jobs=K` overrides there instead.
 """
@@ -63,10 +64,21 @@ def unfinished(jobs: dict[str, dict], expected: int, what: str) -> str | None:
     return f"{len(bad) + missing} of {len(jobs) + missing} {what} {'/'.join(how)}" + (f": {first}" if first else "")
 
 
+def phase_totals(jobs: dict[str, dict]) -> str:
+    """'; phases: train 31.2, eval 2.0, ...' summed over the jobs' summary.json `phases` (empty without them)."""
+    totals: dict[str, float] = {}
+    for summary in jobs.values():
+        for name, seconds in (summary.get("phases") or {}).items():
+            totals[name] = totals.get(name, 0.0) + seconds
+    return "; phases: " + ", ".join(f"{name} {s:.1f}" for name, s in totals.items()) if totals else ""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="normlab overrides (default: the issue's 8-arm medium sweep)")
     parser.add_argument("--per-gpu", default="1,2,4,8", help="jobs_per_gpu settings to time, comma-separated")
+    parser.add_argument("--mps", default="auto", help="hydra.launcher.mps settings to time, comma-separated "
+                                                      "(auto, true, false)")
     args = parser.parse_args()
     normlab = normlab_command()
     overrides = args.overrides or SWEEP
@@ -75,15 +87,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # Warm the token cache and the kernels' first-use costs out of the timings.
         run_sweep(normlab, [o.split(",")[0] for o in overrides] + ["max_steps=2"], Path(tmp) / "warm")
-        for k in (int(v) for v in args.per_gpu.split(",")):
-            wall, jobs = run_sweep(normlab, [*overrides, f"hydra.launcher.jobs_per_gpu={k}"], Path(tmp) / f"k{k}")
+        settings = [(int(k), mps) for mps in args.mps.split(",") for k in args.per_gpu.split(",")]
+        for k, mps in settings:
+            if k == 1 and mps == "true" and (1, "false") in settings:
+                continue  # one job per GPU: MPS changes nothing
+            wall, jobs = run_sweep(normlab, [*overrides, f"hydra.launcher.jobs_per_gpu={k}", f"hydra.launcher.mps={mps}"],
+                                   Path(tmp) / f"k{k}-{mps}")
             losses = {name: s["final_val_loss"] for name, s in jobs.items()}
             reference = reference or losses
             in_train = sum(s["wall_time_s"] for s in jobs.values())
-            same = "equal" if losses == reference else f"DIFFER from jobs_per_gpu={args.per_gpu.split(',')[0]}"
+            same = "equal" if losses == reference else f"DIFFER from {settings[0]}"
             statuses = sorted({s["status"] for s in jobs.values()})
-            print(f"jobs_per_gpu={k}: {wall:6.1f} s wall for {len(jobs)} jobs ({', '.join(statuses)}); "
-                  f"{in_train:6.1f} s of job time in train(); final val losses {same}")
+            print(f"jobs_per_gpu={k} mps={mps}: {wall:6.1f} s wall for {len(jobs)} jobs ({', '.join(statuses)}); "
+                  f"{in_train:6.1f} s of job time in train(); final val losses {same}" + phase_totals(jobs), flush=True)
     return 0
 
 

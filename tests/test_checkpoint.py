@@ -23,7 +23,7 @@ from normlab.nn.model import GPT
 from normlab.train.sinks import MetricsFile, RunDir, Sink
 from normlab.train.run import build_state, train
 
-TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step")
+TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step", "phases")
 
 
 # Bit-exact comparisons need the same reduction order in every run: one torch thread.

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 
 def cuda_config(**overrides):
-    cfg = tiny_config("rms", device="cuda", max_steps=6, eval_every=3, telemetry=TelemetryConfig(every=3), **overrides)
+    cfg = tiny_config("rms", **{"device": "cuda", "max_steps": 6, "eval_every": 3, "telemetry": TelemetryConfig(every=3),
+                                **overrides})
     cfg.wandb.mode = "disabled"
     return cfg
 

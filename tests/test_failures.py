@@ -578,7 +578,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step_and_resumes_ex
     assert rows(tmp_path / "cut")[-1]["step"] == 4  # no training step after the signal
     monkeypatch.setattr(loop, "evaluate", evaluate)
     resumed = train(_disk_cfg(), tmp_path / "cut")
-    timing = ("tokens_per_s", "wall_time_s", "eval_time_s", "resumed_from_step")
+    timing = ("tokens_per_s", "wall_time_s", "eval_time_s", "resumed_from_step", "phases")
     assert [{k: v for k, v in r.items() if k not in timing} for r in rows(tmp_path / "cut")] == [
         {k: v for k, v in r.items() if k not in timing} for r in rows(tmp_path / "whole")]
     assert resumed["final_val_loss"] == whole["final_val_loss"]

@@ -210,3 +210,15 @@ def test_a_signal_that_comes_while_a_stage_starts_cuts_it_off(tmp_path):
             signal.signal(signum, handler)
     assert status == "cut off" and why.startswith("cut off by SIGTERM") and wall < 60
     assert not signals.waiting  # a later signal is noted, not raised in the driver's own code
+
+
+def test_the_suite_stage_reads_pytests_summary_and_a_cut_off_runs_progress():
+    import acceptance_stages
+
+    summary = ["....", "=== 2 failed, 1048 passed, 13 skipped, 1 error in 280.1s ==="]
+    assert acceptance_stages.pytest_counts(summary) == {"failed": 2, "passed": 1048, "skipped": 13, "error": 1}
+    assert acceptance_stages.pytest_counts(["no summary"]) == {}
+    cut = ["bringing up nodes...", "..s.F....E.   [ 10%]", "....x....s    [ 20%]", "..F"]
+    counts, percent = acceptance_stages.pytest_progress(cut)
+    assert counts == {"passed": 18, "failed": 2, "error": 1, "skipped": 2} and percent == 20
+    assert acceptance_stages.add(counts, {"passed": 4, "failed": 1}) == {"passed": 22, "failed": 3, "error": 1, "skipped": 2}

@@ -86,7 +86,7 @@ def test_two_jobs_at_once_on_the_cpu_equal_the_sequential_sweep(tmp_path):
 def test_composed_once_hands_the_validated_config_to_the_launch_once_and_keeps_nothing_after():
     from omegaconf import OmegaConf
 
-    from normlab.launch.launcher import ComposedOnce
+    from normlab.launch.composed import ComposedOnce
 
     composed = []
 

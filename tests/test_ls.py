@@ -58,6 +58,19 @@ def test_ls_json_gives_a_row_per_run_and_the_sweeps(tmp_path, capsys):
     assert (first["step"], first["max_steps"], first["final_val_loss"], first["wall_s"]) == (8, 8, 3.0, 1.5)
     assert first["sweep"] == str(sweep.resolve()) and first["age_s"] >= 0
     assert data["sweeps"] == {str(sweep.resolve()): "4 runs: 2 completed, 1 diverged, 1 incomplete"}
+    assert first["phases"] is None  # a summary.json written before phases were recorded
+
+
+def test_ls_json_carries_each_runs_phases(tmp_path, capsys):
+    run = write_run(tmp_path / "run")
+    summary = json.loads((run / "summary.json").read_text())
+    summary["phases"] = {"startup": 2.5, "train": 10.25, "eval": 1}
+    (run / "summary.json").write_text(json.dumps(summary))
+    bad = write_run(tmp_path / "bad")
+    (bad / "summary.json").write_text(json.dumps({**summary, "phases": {"train": "fast"}}))
+    code, out = ls(capsys, str(tmp_path), "--json")
+    phases = {r["path"]: r["phases"] for r in json.loads(out.out)["runs"]}
+    assert code == 0 and phases == {str(run): {"startup": 2.5, "train": 10.25, "eval": 1.0}, str(bad): None}
 
 
 def test_ls_of_a_missing_dir_is_one_line_and_exit_2(tmp_path, capsys):

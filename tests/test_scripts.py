@@ -204,11 +204,14 @@ def test_bench_gpu_runs_its_reference_and_normlab_variants_on_the_cpu_when_asked
 
 def test_sweep_bench_times_a_sweep_per_setting_and_compares_its_losses(tmp_path, commands, script_here):
     commands.intercept()  # its three normlab sweeps run in this process too
-    out = script_here("sweep_bench.py", "--per-gpu", "1,2", "norm=layer,rms", "model=tiny", "max_steps=2", "batch_size=4",
-                 "seq_len=16", "eval_batches=1", "wandb.mode=disabled", "device=cpu", cwd=tmp_path)
+    out = script_here("sweep_bench.py", "--per-gpu", "1,2", "--mps", "false,true", "norm=layer,rms", "model=tiny",
+                      "max_steps=2", "batch_size=4", "seq_len=16", "eval_batches=1", "wandb.mode=disabled", "device=cpu",
+                      cwd=tmp_path)
     lines = [line for line in out.splitlines() if line.startswith("jobs_per_gpu=")]
-    assert [line.split(":")[0] for line in lines] == ["jobs_per_gpu=1", "jobs_per_gpu=2"]
-    assert all("for 2 jobs (completed)" in line and line.endswith("final val losses equal") for line in lines)
+    # One job per GPU under MPS is the same setting as without: not run twice.
+    assert [line.split(":")[0] for line in lines] == ["jobs_per_gpu=1 mps=false", "jobs_per_gpu=2 mps=false",
+                                                      "jobs_per_gpu=2 mps=true"]
+    assert all("for 2 jobs (completed)" in line and "final val losses equal" in line for line in lines)
 
 
 def test_pack_bench_times_runs_and_both_batchings(tmp_path, script_here):

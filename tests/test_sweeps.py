@@ -58,6 +58,10 @@ def test_a_diverging_job_is_recorded_and_the_sweep_exits_0(tmp_path):
     completed = sorted((s["final_val_loss"], s["name"]) for _, s in runs.values() if s["status"] == "completed")
     assert names == [n for _, n in completed] + ["none-pre-d2-lr1e5-s0"]
     assert "DIVERGED" in table.splitlines()[4]
+    [phases] = [line for line in table.splitlines() if line.startswith("time by phase, summed over the jobs: ")]
+    shown = sum(float(seconds) for seconds in re.findall(r" (\d+\.\d) s \(", phases))
+    recorded = sum(sum(s["phases"].values()) for _, s in runs.values())
+    assert shown == pytest.approx(recorded, abs=0.05 * len(re.findall(" s \\(", phases)))
     assert f"next: normlab compare {sweep_dir.relative_to(tmp_path)}" in table
     assert (sweep_dir / "sweep.log").read_text().strip().endswith(table.strip())
 

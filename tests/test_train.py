@@ -1,5 +1,6 @@
 """The training loop: gradient accumulation, determinism, precisions, schedule, run files."""
 
+import dataclasses
 import json
 import math
 import os
@@ -173,3 +174,27 @@ def test_host_allocator_setting_stops_the_steps_page_faults():
     faults = [int(f) for f in faults]
     assert len(faults) == 20
     assert sum(f < 10 for f in faults) >= 15, faults
+
+
+def test_gradients_kept_allocated_for_cuda_graphs_change_no_result(tmp_path, monkeypatch):
+    """Under CUDA graphs with grad_accum > 1 the gradients stay allocated and each micro-batch adds into them in
+    place (runtime.keeps_gradients): the run must equal one whose gradients are freed after each step."""
+    import torch
+
+    from normlab.train.runtime import keeps_gradients
+
+    cfg = tiny_config(grad_accum=2, max_steps=4, sinks=["jsonl"])
+    graphs = dataclasses.replace(cfg, compile=True, compile_mode="reduce-overhead")
+    assert keeps_gradients(graphs, torch.device("cuda")) and not keeps_gradients(graphs, torch.device("cpu"))
+    assert not keeps_gradients(dataclasses.replace(graphs, grad_accum=1), torch.device("cuda"))
+    assert not keeps_gradients(dataclasses.replace(graphs, compile_mode="default"), torch.device("cuda"))
+    freed = train(cfg, tmp_path / "freed", echo=False)
+    import normlab.train.runtime as runtime
+
+    monkeypatch.setattr(runtime, "keeps_gradients", lambda cfg, device: True)
+    kept = train(cfg, tmp_path / "kept", echo=False)
+    rows = [[json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()] for name in ("freed", "kept")]
+    drop = ("tokens_per_s",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in rows[0]] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in rows[1]]
+    assert kept["final_val_loss"] == freed["final_val_loss"]

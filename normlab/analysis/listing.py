@@ -38,6 +38,7 @@ class Listed:
     wall_s: float | None  # summary.json's wall_time_s; for a running run, the time since it wrote config.json
     age_s: float  # since its last write
     sweep: str | None  # the sweep dir it belongs to
+    phases: dict[str, float] | None = None  # summary.json's seconds by phase (normlab.train.phases), when recorded
 
 
 def held_locks() -> set[tuple[int, int, int]] | None:
@@ -124,7 +125,17 @@ def listed(run_dir: Path, held: set[tuple[int, int, int]] | None, now: float) ->
         wall_s=float(wall) if isinstance(wall, (int, float)) and not isinstance(wall, bool) else None,
         age_s=max(0.0, now - max(written, default=now)),
         sweep=str(run_dir.parent) if any((run_dir.parent / m).exists() for m in SWEEP_MARKS) else None,
+        phases=_phases(summary.get("phases")) if not running else None,
     )  # fmt: skip
+
+
+def _phases(value: Any) -> dict[str, float] | None:
+    """summary.json's phases when they are seconds by name, else None."""
+    if not isinstance(value, dict) or not value:
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
+        return None
+    return {str(name): float(seconds) for name, seconds in value.items()}
 
 
 def list_runs(paths: list[str]) -> list[Listed]:

@@ -38,7 +38,6 @@ Imports stay light: torch is imported only to count GPUs, in the workers, and fo
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import logging
 import os
@@ -59,6 +58,8 @@ from omegaconf.basecontainer import BaseContainer
 
 from normlab.config import RunConfig
 from normlab.config.packing import pack_groups
+from normlab.launch.composed import ComposedOnce
+from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
 from normlab.launch.task import ended_job, member_result, pack_member, train_members
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,6 @@ log = logging.getLogger(__name__)
 # took 106 s one job at a time and 47 s with 4 at once (joblib); scripts/sweep_bench.py measures
 # 1, 2, 4 and 8 to settle the default on a given GPU. conf/hydra/launcher/normlab.yaml sets the same.
 JOBS_PER_GPU = 4
-
-
 def visible_gpus(devices: Optional[Sequence[Any]] = None) -> list[str]:
     """The GPUs a sweep may use, as CUDA_VISIBLE_DEVICES entries: `devices` when given, else the
     entries of CUDA_VISIBLE_DEVICES when it is set, else every GPU torch sees ([] without CUDA)."""
@@ -103,8 +102,10 @@ def threads_per_job(concurrent: int) -> int:
     return max(1, cores // concurrent)
 
 
-def _pin_worker(gpu: Optional[str], threads: int, memory_fraction: float) -> None:
-    """A worker's start: pin it to its GPU and its share of the CPU threads before torch is imported."""
+def _pin_worker(gpu: Optional[str], threads: int, memory_fraction: float, env: Optional[dict] = None) -> None:
+    """A worker's start: pin it to its GPU and its share of the CPU threads, and point it to the sweep's MPS
+    daemon (`env`), before torch is imported."""
+    os.environ.update(env or {})
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -246,43 +247,13 @@ def _picklable(ret: JobReturn) -> JobReturn:
     return ret
 
 
-class ComposedOnce:
-    """A config loader's load_sweep_config that composes each job once where Hydra composes it twice: the
-    sweeper composes every job of a batch to validate it, then the launcher composes it again to run it
-    (0.2 s a job). Outside a launch (the sweeper validating), a copy of each config composed is kept; in
-    the launch, the first call for a job takes its copy (so every caller gets a config of its own), and
-    the launch's end forgets what no call took. At most `keep` are kept."""
-
-    def __init__(self, load, keep: int = 256):
-        self.load, self.keep, self.kept = load, keep, {}
-        self.launching = False
-
-    def __call__(self, master_config: DictConfig, sweep_overrides: List[str]) -> DictConfig:
-        key = (id(master_config), tuple(sweep_overrides))
-        if self.launching and key in self.kept:
-            return self.kept.pop(key)
-        sweep_config = self.load(master_config, sweep_overrides)
-        if not self.launching and len(self.kept) < self.keep:
-            self.kept[key] = copy.deepcopy(sweep_config)  # a copy of its own: callers set their job's fields
-        return sweep_config
-
-    @contextlib.contextmanager
-    def launch(self):
-        """The launch of a batch: kept configs are handed out, none kept; at the end the rest are forgotten."""
-        self.launching = True
-        try:
-            yield
-        finally:
-            self.launching = False
-            self.kept.clear()
-
-
 class NormlabLauncher(BasicLauncher):
     """Runs a sweep's jobs concurrently over GPU slots (see the module's docstring); one slot: sequentially."""
 
-    def __init__(self, jobs_per_gpu: int = JOBS_PER_GPU, cpu_jobs: int = 1, devices: Optional[List[str]] = None) -> None:
+    def __init__(self, jobs_per_gpu: int = JOBS_PER_GPU, cpu_jobs: int = 1, devices: Optional[List[str]] = None,
+                 mps: Any = MPS) -> None:
         super().__init__()
-        self.jobs_per_gpu, self.cpu_jobs, self.devices = jobs_per_gpu, cpu_jobs, devices
+        self.jobs_per_gpu, self.cpu_jobs, self.devices, self.mps = jobs_per_gpu, cpu_jobs, devices, mps
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
@@ -309,7 +280,11 @@ class NormlabLauncher(BasicLauncher):
             units = pack_units(self.hydra_context, self.config, jobs)
         slots = plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)[: len(units)]
         if len(slots) > 1:
-            return self._launch_concurrently(units, slots)
+            sweep_dir = Path(str(self.config.hydra.sweep.dir))
+            with sweep_mps(sweep_dir, wants_mps(self.mps, slots, runs_cuda_graphs(self.config, job_overrides))) as mps:
+                if mps.line:
+                    log.info(mps.line)
+                return self._launch_concurrently(units, slots, mps.env)
         return self._launch_in_turn(units)
 
     def _launch_in_turn(self, units: list) -> list[JobReturn]:
@@ -328,7 +303,7 @@ class NormlabLauncher(BasicLauncher):
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return [ret for _, ret in sorted(returns, key=lambda pair: pair[0])]
 
-    def _launch_concurrently(self, units: list, slots: list) -> list[JobReturn]:
+    def _launch_concurrently(self, units: list, slots: list, env: dict) -> list[JobReturn]:
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
@@ -339,7 +314,7 @@ class NormlabLauncher(BasicLauncher):
         threads = threads_per_job(len(slots))
         fraction = 0.95 / max(1, slots.count(slots[0]))  # each job's share of its GPU's memory
         context = get_context("spawn")  # a fresh interpreter per worker: CUDA state is never forked
-        workers = [ProcessPoolExecutor(1, context, initializer=_pin_worker, initargs=(gpu, threads, fraction)) for gpu in slots]
+        workers = [ProcessPoolExecutor(1, context, initializer=_pin_worker, initargs=(gpu, threads, fraction, env)) for gpu in slots]
         pending = units[::-1]
         running: dict = {}
         returns: dict[int, JobReturn] = {}
@@ -378,7 +353,7 @@ class NormlabLauncher(BasicLauncher):
                         returns.update((idx, _failed(idx, err)) for idx in idxs)
                         workers[slot].shutdown(wait=False)  # a broken pool takes no more jobs: a fresh worker
                         workers[slot] = ProcessPoolExecutor(1, context, initializer=_pin_worker,
-                                                            initargs=(slots[slot], threads, fraction))
+                                                            initargs=(slots[slot], threads, fraction, env))
         finally:
             for worker in workers:
                 worker.shutdown(wait=True, cancel_futures=True)

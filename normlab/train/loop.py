@@ -29,9 +29,12 @@ from normlab.config import RunConfig
 from normlab.data import Corpus, bits_per_byte, eval_batches, sample_batch, target_bytes
 from normlab.train.callbacks import Callback, Diverged
 from normlab.train.optim import lr_at
-from normlab.train.runtime import autocast
+from normlab.train.runtime import autocast, hold_gradients
 from normlab.train.sinks import Sink
 from normlab.train.state import TrainState
+
+# Phases (normlab.train.phases) timed inside the training loop that are not its steps.
+SET_ASIDE = ("eval", "checkpoint")
 
 
 def batch_loader(tokens: torch.Tensor, cfg: RunConfig, generator: torch.Generator, device: torch.device):
@@ -156,9 +159,13 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
     eager, fast = models
     device = next(state.model.parameters()).device
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    keep_grads = hold_gradients(cfg, state.model, device)  # zeroed, not freed, after each step
     state.model.train()
+    first, started, aside = state.step, time.perf_counter(), _set_aside(state)
     try:
         for step in range(state.step, cfg.max_steps + 1):
+            if step == first + 1:  # the first step compiled and warmed up what the later ones reuse
+                state.phases.add("compile", time.perf_counter() - started - (_set_aside(state) - aside))
             record: dict[str, Any] = {"step": step, "tokens": state.tokens}
             if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.max_steps:
                 record["val_loss"] = _evaluate_into(state, held_out.batches, precision)
@@ -181,7 +188,7 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
             _call(callbacks, "before_optimizer_step", state)
             state.scaler.step(state.optimizer)
             state.scaler.update()
-            state.optimizer.zero_grad(set_to_none=True)
+            state.optimizer.zero_grad(set_to_none=not keep_grads)
             state.step, state.tokens = step + 1, state.tokens + cfg.batch_size * cfg.seq_len
 
             logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record or state.watched
@@ -200,12 +207,19 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
     return None
 
 
+def _set_aside(state: TrainState) -> float:
+    """The seconds of the phases that are not training steps, though they happen inside the loop."""
+    return sum(state.phases.seconds.get(name, 0.0) for name in SET_ASIDE)
+
+
 def _evaluate_into(state: TrainState, val_batches, precision: str) -> float:
     """Evaluate the eager model, keep the last and best val loss and the evaluation time in `state`;
     raise Diverged if the loss is not finite."""
     started = time.perf_counter()
     state.last_val = evaluate(state.model, val_batches, next(state.model.parameters()).device, precision)
-    state.eval_time += time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    state.eval_time += seconds
+    state.phases.add("eval", seconds)
     if not math.isfinite(state.last_val):
         raise Diverged(state.step)
     state.best_val = min(state.best_val, state.last_val)

@@ -39,6 +39,7 @@ from normlab.train.checkpoint import Checkpoint, CheckpointError, Checkpointer, 
 from normlab.train.environment import run_environment
 from normlab.train.loop import batch_loader, emit, held_out_batches, run_steps
 from normlab.train.optim import param_groups
+from normlab.train.phases import Phases, run_ended, startup_seconds
 from normlab.train.preempt import Preempted
 from normlab.train.probe import Probe
 from normlab.train.runlog import run_log
@@ -98,35 +99,30 @@ def summary_head(cfg: RunConfig) -> dict[str, Any]:
 def _train_in(cfg: RunConfig, run_dir: RunDir, sinks: list[Sink] | None, callbacks: Sequence[Callback],
               writes: bool) -> dict[str, Any]:
     """train() inside the run dir's lock: refuse, or change the run dir, train, and record how it ended."""
-    started = time.time()
-    resumed = resolve_resume(cfg, run_dir.path)
-    summary = summary_head(cfg)
+    started, phases = time.time(), Phases()
+    startup = startup_seconds(started)
+    if startup is not None:
+        phases.add("startup", startup)
+    with phases.time("setup"):
+        resumed = resolve_resume(cfg, run_dir.path)
+        summary = summary_head(cfg)
     opened: list[Sink] = []
     exit_code = 1
     try:
-        corpus = load_corpus(cfg.data, cfg.tokenizer)
+        with phases.time("data"):
+            corpus = load_corpus(cfg.data, cfg.tokenizer)
         summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256,
                        tokenizer=corpus.tokenizer.identity)
-        if resumed is not None:
-            resumed.check_corpus(corpus.sha256)
-            check_resumable(cfg, resumed, callbacks)
-        wandb_run_id = (resumed.wandb_run_id if resumed else None) or secrets.token_hex(4)
-        checkpointer = Checkpointer(run_dir.path, cfg, wandb_run_id=wandb_run_id, corpus_sha256=corpus.sha256,
-                                    world_size=distributed.world_size(), writes=writes)
+        with phases.time("setup"):
+            if resumed is not None:
+                resumed.check_corpus(corpus.sha256)
+                check_resumable(cfg, resumed, callbacks)
+            wandb_run_id = (resumed.wandb_run_id if resumed else None) or secrets.token_hex(4)
+            checkpointer = Checkpointer(run_dir.path, cfg, wandb_run_id=wandb_run_id, corpus_sha256=corpus.sha256,
+                                        world_size=distributed.world_size(), writes=writes)
         if writes:
-            with preempt.deferred():  # from here the run dir changes: no signal leaves it halfway
-                run_dir.reserve()
-                run_dir.write_config(cfg.to_dict())
-                if corpus.tokenizer.kind != "byte":
-                    corpus.tokenizer.save(run_dir.path / "tokenizer.json")  # `normlab sample` decodes with it
-                start_step = resumed.step if resumed else None
-                history = rewind(run_dir.path, start_step or 0)
-                context = SinkContext(cfg, run_dir, summary["name"], wandb_run_id, start_step, history)
-                if sinks is None:
-                    open_sinks(context, into=opened)
-                else:
-                    opened.extend(sinks)
-        summary.update(_fit(cfg, corpus, opened, checkpointer, resumed, callbacks, run_dir if writes else None))
+            _open_run_dir(cfg, run_dir, corpus, resumed, wandb_run_id, sinks, opened, phases)
+        summary.update(_fit(cfg, corpus, opened, checkpointer, resumed, callbacks, run_dir if writes else None, phases))
         exit_code = 0  # a diverged run is an outcome, not a failure
     except Preempted as stop:
         if stop.step is None:  # stopped before the first step: the run is where it started
@@ -143,23 +139,60 @@ def _train_in(cfg: RunConfig, run_dir: RunDir, sinks: list[Sink] | None, callbac
         raise
     finally:
         preempt.training_started()  # no signal may cut the records of the run's end short
-        summary["wall_time_s"] = round(time.time() - started, 3)
-        trouble = record_end(run_dir if writes else None, summary, opened, exit_code)
+        trouble = record_end(run_dir if writes else None, summary, opened, exit_code, phases, started)
+        run_ended()
     if trouble is not None:
         raise trouble  # training went well, but its records could not all be written
     return summary
 
 
-def record_end(run_dir: RunDir | None, summary: dict[str, Any], sinks: list[Sink], exit_code: int) -> BaseException | None:
+def _open_run_dir(cfg: RunConfig, run_dir: RunDir, corpus: Corpus, resumed: Checkpoint | None, wandb_run_id: str,
+                  sinks: list[Sink] | None, opened: list[Sink], phases: Phases) -> None:
+    """From here the run dir changes (no signal leaves it halfway): reserve it, write config.json (and the
+    tokenizer), rewind its records to the checkpoint's step, and open the sinks into `opened`."""
+    with preempt.deferred():
+        with phases.time("setup"):
+            run_dir.reserve()
+            run_dir.write_config(cfg.to_dict())
+            if corpus.tokenizer.kind != "byte":
+                corpus.tokenizer.save(run_dir.path / "tokenizer.json")  # `normlab sample` decodes with it
+            start_step = resumed.step if resumed else None
+            history = rewind(run_dir.path, start_step or 0)
+        context = SinkContext(cfg, run_dir, cfg.run_name, wandb_run_id, start_step, history)
+        with phases.time("sinks"):
+            if sinks is None:
+                open_sinks(context, into=opened)
+            else:
+                opened.extend(sinks)
+
+
+def record_end(run_dir: RunDir | None, summary: dict[str, Any], sinks: list[Sink], exit_code: int,
+               phases: Phases | None = None, started: float | None = None) -> BaseException | None:
     """Write summary.json (into `run_dir`, when given) and finish every sink, whatever fails on the way;
-    return the first failure, or None."""
+    return the first failure, or None. With `phases`, summary.json is written again once the sinks are
+    finished, with their time and the whole wall time since `started`."""
     trouble: BaseException | None = None
-    if run_dir is not None and run_dir.gone() is None:  # never into a dir made again at a vanished one's path
-        try:
-            run_dir.write_summary(summary)
-        except Exception as err:
-            trouble = err
-    return trouble or finish_all(sinks, summary, exit_code)
+    writes = run_dir is not None and run_dir.gone() is None  # never into a dir made again at a vanished one's path
+
+    def write() -> None:
+        nonlocal trouble
+        if started is not None:
+            summary["wall_time_s"] = round(time.time() - started, 3)
+        if phases is not None:
+            summary["phases"] = phases.record()
+        if writes and trouble is None:
+            try:
+                with phases.time("setup") if phases is not None else contextlib.nullcontext():
+                    run_dir.write_summary(summary)
+            except Exception as err:
+                trouble = err
+
+    write()
+    with phases.time("sinks") if phases is not None else contextlib.nullcontext():
+        finished = finish_all(sinks, summary, exit_code)
+    if phases is not None:
+        write()
+    return trouble or finished
 
 
 def check_resumable(cfg: RunConfig, checkpoint: Checkpoint, extra: Sequence[Callback] = ()) -> None:
@@ -230,28 +263,31 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
 
 
 def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkpointer, resumed: Checkpoint | None,
-         extra: Sequence[Callback], run_dir: RunDir | None) -> dict[str, Any]:
+         extra: Sequence[Callback], run_dir: RunDir | None, phases: Phases) -> dict[str, Any]:
     """Build everything, restore a checkpoint if resuming, run the steps; return the run's results."""
-    cfg = with_model_vocab(cfg, corpus)
-    device = distributed.local_device(resolve_device(cfg.device))
-    precision = resolve_precision(cfg.precision, device)
-    seed_everything(cfg.seed)
-    configure_matmul(device, cfg.tf32)
-    configure_determinism(cfg.deterministic)
-    configure_host_allocator()
-    state = build_state(cfg, device, precision)
-    net = distributed.wrap(state.model, device, sync_batchnorm=cfg.norm.sync)  # the model itself for one process
-    # Evaluation runs eager `net`/`model` (telemetry steps the Probe's forward of `net`, compiled under compile=true);
-    # checkpoints hold `model`, so no `_orig_mod.` keys.
-    fast = compile_model(net, cfg.compile_mode, device) if cfg.compile else net
-    callbacks = standard_callbacks(cfg, state, sinks, checkpointer, device, extra, run_dir, net)
-    if resumed is not None:
-        resumed.restore(state, callbacks)
-    for callback in callbacks:
-        callback.on_train_start(state)
-    next_batch = batch_loader(corpus.train, cfg, state.data_gen, device)
-    held_out = held_out_batches(corpus, cfg)
-    diverged_step = run_steps(cfg, state, (net, fast), next_batch, held_out, callbacks, sinks, precision)
+    with phases.time("model"):
+        cfg = with_model_vocab(cfg, corpus)
+        device = distributed.local_device(resolve_device(cfg.device))
+        precision = resolve_precision(cfg.precision, device)
+        seed_everything(cfg.seed)
+        configure_matmul(device, cfg.tf32)
+        configure_determinism(cfg.deterministic)
+        configure_host_allocator()
+        state = build_state(cfg, device, precision)
+        state.phases = phases
+        net = distributed.wrap(state.model, device, sync_batchnorm=cfg.norm.sync)  # the model itself for one process
+        # Evaluation runs eager `net`/`model` (telemetry steps the Probe's forward of `net`, compiled under
+        # compile=true); checkpoints hold `model`, so no `_orig_mod.` keys.
+        fast = compile_model(net, cfg.compile_mode, device) if cfg.compile else net
+        callbacks = standard_callbacks(cfg, state, sinks, checkpointer, device, extra, run_dir, net)
+        if resumed is not None:
+            resumed.restore(state, callbacks)
+        for callback in callbacks:
+            callback.on_train_start(state)
+    with phases.time("data"):
+        next_batch = batch_loader(corpus.train, cfg, state.data_gen, device)
+        held_out = held_out_batches(corpus, cfg)
+    diverged_step = _timed_steps(cfg, state, (net, fast), next_batch, held_out, callbacks, sinks, precision)
 
     result: dict[str, Any] = {"status": "completed"}
     if resumed is not None:
@@ -272,6 +308,20 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkp
         precision=precision,
         eval_time_s=round(state.eval_time, 3),
     )
-    for callback in callbacks:
-        callback.on_train_end(state, result)
+    for callback in callbacks:  # checkpointing times its own save
+        with contextlib.nullcontext() if isinstance(callback, Checkpointing) else phases.time("products"):
+            callback.on_train_end(state, result)
     return result
+
+
+def _timed_steps(cfg: RunConfig, state: TrainState, *args) -> int | None:
+    """run_steps, its time split into `compile` (its first step), `train`, and the evaluations and checkpoints
+    inside it (which they time themselves)."""
+    aside = ("compile", "eval", "checkpoint")
+    before = sum(state.phases.seconds.get(name, 0.0) for name in aside)
+    started = time.perf_counter()
+    try:
+        return run_steps(cfg, state, *args)
+    finally:
+        inside = sum(state.phases.seconds.get(name, 0.0) for name in aside) - before
+        state.phases.add("train", time.perf_counter() - started - inside)

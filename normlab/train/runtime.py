@@ -104,6 +104,25 @@ def compile_model(net: nn.Module, mode: str, device: torch.device):
     return graphed
 
 
+def keeps_gradients(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether the parameters' gradients stay allocated between steps (zeroed, not freed): under CUDA graphs with
+    grad_accum > 1. A graph's backward output installed as a `.grad` would be overwritten by the next
+    micro-batch's replay before the step uses it (torch's "accessing tensor output of CUDAGraphs that has been
+    overwritten"); with the gradients allocated beforehand, every micro-batch adds into them in place."""
+    return cfg.compile and cfg.compile_mode == "reduce-overhead" and device.type == "cuda" and cfg.grad_accum > 1
+
+
+def hold_gradients(cfg: RunConfig, model: nn.Module, device: torch.device) -> bool:
+    """Where keeps_gradients, give every trainable parameter that has none a zero gradient; return whether the
+    gradients are to be zeroed rather than freed after each step."""
+    if not keeps_gradients(cfg, device):
+        return False
+    for param in model.parameters():
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
+    return True
+
+
 def compile_steps(cfg: RunConfig, device: torch.device) -> int:
     """How many of the first compiled steps are compilation (and, under CUDA graphs, warm-up and capture)."""
     if not cfg.compile:

@@ -9,11 +9,13 @@ counters. The learning-rate schedule is a pure function of the step, so the step
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from normlab.train.phases import Phases
 
 # The loop's counters, saved and restored with the state: so the summary of a resumed run equals an
 # uninterrupted one's.
@@ -44,6 +46,7 @@ class TrainState:
     watched: bool = False  # a callback watches this step: its record is logged, and it runs the eager model
     # unless `forward` is set: a callback's forward (telemetry's probe) that runs the micro-batches instead
     forward: Callable[[torch.Tensor], torch.Tensor] | None = None
+    phases: Phases = field(default_factory=Phases)  # this process's seconds by phase (summary.json's phases)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -30,12 +30,16 @@ class Checkpointing(Callback):
     def __init__(self, checkpointer: Checkpointer, callbacks: Sequence[Callback], max_steps: int):
         self.checkpointer, self.callbacks, self.max_steps = checkpointer, callbacks, max_steps
 
+    def _save(self, state: TrainState) -> None:
+        with state.phases.time("checkpoint"):
+            self.checkpointer.save(state, self.callbacks)
+
     def on_step_start(self, state: TrainState) -> None:
         training_started()
         if requested() is not None and not distributed.is_active():
             # Signalled during this step's evaluation: its record is not out yet, so the step's boundary
             # is still here, and the run resumes by evaluating again.
-            self.checkpointer.save(state, self.callbacks)
+            self._save(state)
             raise Preempted(requested(), state.step)
 
     def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None:
@@ -47,11 +51,11 @@ class Checkpointing(Callback):
             asks = due or state.step % PREEMPT_CHECK_EVERY == 0 or state.step == self.max_steps
             stop = asks and distributed.any_rank(stop)
         if stop or due:
-            self.checkpointer.save(state, self.callbacks)
+            self._save(state)
         if stop:
             distributed.barrier()  # no rank exits before rank 0's checkpoint is on disk
             raise Preempted(requested() or signal.SIGTERM, state.step)
 
     def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
         if summary.get("status") == "completed":
-            self.checkpointer.save(state, self.callbacks)
+            self._save(state)

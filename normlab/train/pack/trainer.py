@@ -30,6 +30,7 @@ from normlab.train.pack.checkpoint import OptimizerLayout
 from normlab.train.pack.loop import Member, PackLoop
 from normlab.train.pack.telemetry import PackedProbe
 from normlab.train.preempt import Preempted
+from normlab.train.phases import Phases, run_ended, startup_seconds
 from normlab.train.run import record_end, summary_head, with_model_vocab
 from normlab.train.runtime import (
     configure_determinism, configure_host_allocator, configure_matmul, resolve_device, resolve_precision, seed_everything,
@@ -85,21 +86,27 @@ def train_pack(members: Sequence[tuple[RunConfig, str | os.PathLike]]) -> list[d
 
 def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
     """train_pack() inside the run dirs' locks: refuse, or start (or resume) every member, train, record the ends."""
-    started = time.time()
-    _resume_points(members)
+    started, phases = time.time(), Phases()  # the pack's, shared by its members (docs/sweeps.md)
+    startup = startup_seconds(started)
+    if startup is not None:
+        phases.add("startup", startup)
+    with phases.time("setup"):
+        _resume_points(members)
     summaries = [summary_head(m.cfg) for m in members]
     exit_code = 1
     try:
-        corpus = load_corpus(members[0].cfg.data, members[0].cfg.tokenizer)
+        with phases.time("data"):
+            corpus = load_corpus(members[0].cfg.data, members[0].cfg.tokenizer)
         for member, summary in zip(members, summaries):
             summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256,
                            tokenizer=corpus.tokenizer.identity)
             if member.resumed is not None:
                 member.resumed.check_corpus(corpus.sha256)
-        with preempt.deferred():  # from here the run dirs change: no signal leaves one halfway
+        with preempt.deferred(), phases.time("sinks"):  # from here the run dirs change: no signal leaves one halfway
             for member in members:
                 _open_run(member, corpus)
-        results = _fit_pack(members, corpus)
+        with phases.time("train"):  # the packed model's build, steps, evaluations and checkpoints
+            results = _fit_pack(members, corpus)
         for summary, result in zip(summaries, results):
             summary.update(result)
         exit_code = 0
@@ -118,8 +125,9 @@ def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
         preempt.training_started()
         troubles = []
         for member, summary in zip(members, summaries):
-            summary["wall_time_s"] = round(time.time() - started, 3)
-            troubles.append(record_end(member.run_dir, summary, member.sinks, exit_code))
+            summary["phases_shared_by"] = len(members)  # the pack's phases: a sweep's totals count them once
+            troubles.append(record_end(member.run_dir, summary, member.sinks, exit_code, phases, started))
+        run_ended()
     trouble = next((t for t in troubles if t is not None), None)
     if trouble is not None:
         raise trouble

@@ -1,0 +1,76 @@
+"""Where a run's time goes: seconds by phase, recorded in summary.json's `phases`.
+
+    startup      the process's start (its imports, Hydra's composition, the checks) until train() begins; for a
+                 later job in the same process (a sweep's), from the previous job's end
+    setup        train()'s own bookkeeping: the lock, resume checks, config.json, the tokenizer, summary.json
+    data         reading (or the cache of) the corpus and tokenizing it, the held-out batches
+    model        building the model, its optimizer and the callbacks (torch.compile only wraps it here), a
+                 checkpoint's restore
+    sinks        opening and finishing the sinks (wandb's start and finish, metrics.jsonl)
+    compile      the first training step: torch.compile's compilation, CUDA's and the kernels' first use
+    train        the other training steps, telemetry and the callbacks between them included
+    eval         the evaluations on the held-out batches
+    checkpoint   saving checkpoints
+    products     the end-of-run products: the per-layer table and heatmaps
+They are measured one by one (nothing is a remainder), so their sum is the job's time: `startup` plus
+summary.json's wall_time_s, less what no phase covers (a few milliseconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+# When this process's previous run (a sweep's job) ended, by time.time(); None before the first.
+_last_end: float | None = None
+
+
+class Phases:
+    """Seconds by phase, added up as the run goes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - started)
+
+    def record(self) -> dict[str, float]:
+        """The phases for summary.json, in milliseconds' precision."""
+        return {name: round(seconds, 3) for name, seconds in self.seconds.items()}
+
+
+def startup_seconds(now: float | None = None) -> float | None:
+    """Seconds since this process started, or since its previous run ended (the later); None where the process's
+    start cannot be read (not Linux)."""
+    now = time.time() if now is None else now
+    start = _last_end if _last_end is not None else process_start()
+    return None if start is None else max(0.0, now - start)
+
+
+def run_ended(now: float | None = None) -> None:
+    """A run of this process ended: the next one's startup counts from here."""
+    global _last_end
+    _last_end = time.time() if now is None else now
+
+
+def process_start() -> float | None:
+    """This process's start, by time.time(), from /proc: its start in clock ticks after the boot, against the
+    uptime (both to 10 ms; /proc/stat's boot time is in whole seconds)."""
+    try:
+        stat = Path(f"/proc/{os.getpid()}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22 of the whole line: starttime
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))

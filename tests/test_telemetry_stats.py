@@ -299,6 +299,24 @@ def test_statistics_of_stacked_blocks_equal_each_blocks_own():
             torch.testing.assert_close(stacked.sum(), one, rtol=1e-6, atol=1e-6)
 
 
+def test_blocks_stacked_in_chunks_give_the_statistics_of_one_stack(monkeypatch):
+    """Where a stack of every block would be too large (GPT-2 small at batch 32 x 1024), the Probe stacks a few
+    blocks at a time: one block a chunk gives every statistic exactly as one chunk of all does."""
+    import normlab.train.probe_sites as probe_sites
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config("rms", "pre", depth=5, qk_norm=True))
+    x = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    stats = []
+    for elements in (probe_sites.STACK_ELEMENTS, 1):
+        monkeypatch.setattr(probe_sites, "STACK_ELEMENTS", elements)
+        probe = Probe(model, every=1, max_steps=1)
+        probe.forward(x).sum().backward()
+        stats.append(probe.collect())
+        model.zero_grad()
+    assert len(stats[0]) > 100 and stats[0] == stats[1]
+
+
 # ---------------------------------------------------------------- the logged values
 
 

@@ -31,9 +31,10 @@ from normlab.train.probe_stats import (
     units,
 )
 
-# A stack of blocks' tensors holds at most this many elements (256 MiB in float32): the medium preset's stream
-# (9 × 32 × 128 × 256) is one chunk; GPT-2 small's at batch 32 × 1024 is two blocks a chunk.
-STACK_ELEMENTS = 1 << 26
+# A stack of blocks' tensors holds at most this many elements (512 MiB in float32): the medium preset's stream
+# (9 × 32 × 128 × 256) is one chunk; GPT-2 small's at batch 32 × 1024 (25M elements a block) is stacked four
+# blocks at a time, and its attention scores (8 × 12 × 1024² a block) one block at a time.
+STACK_ELEMENTS = 1 << 27
 
 
 # The statistics of the probed sequences alone: absent from a micro-batch that holds none of them.
@@ -219,7 +220,10 @@ def _attention(parts: Parts, qs: list[torch.Tensor], ks: list[torch.Tensor], pla
     per_chunk = max(1, STACK_ELEMENTS // max(qs[0].numel(), plan.rows * H * T * T))
     for start in range(0, len(qs), per_chunk):
         end = start + per_chunk
-        q, k = (torch.stack(xs[start:end])[:, : plan.rows] for xs in (qs, ks))
+        if per_chunk == 1:  # one block: its probed rows alone, not a copy of the whole batch's
+            q, k = qs[start][None, : plan.rows], ks[start][None, : plan.rows]
+        else:
+            q, k = (torch.stack(xs[start:end])[:, : plan.rows] for xs in (qs, ks))
         largest, entropy = attention_stats(q, k, plan.softcap)
         parts.add("max", maxima[start:end], largest)
         parts.add("entropy", entropies[start:end], entropy, plan.rows)

@@ -113,6 +113,18 @@ def test_bench_telemetry_times_the_three_intervals_and_counts_a_telemetry_steps_
     assert 0 < plain < watched and added == watched - plain and ratio == pytest.approx(added / plain, abs=1e-3)
 
 
+def test_telemetry_profile_profiles_a_telemetry_step_beside_a_plain_one(tmp_path, script_here):
+    out = script_here("telemetry_profile.py", "--cpu", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert "step 9 (plain) and step 10 (telemetry), cpu" in out
+    figures = {}
+    for step in ("plain", "telemetry"):
+        line = next(line for line in out.splitlines() if line.startswith(step + " "))
+        figures[step] = [float(n) for n in re.findall(NUMBER, line)]
+    assert 0 < figures["plain"][1] < figures["telemetry"][1]  # aten ops: the telemetry step's statistics
+    report = (tmp_path / "out" / "telemetry-profile-medium-eager.txt").read_text()
+    assert report.startswith("tiny (model=tiny") and report.strip() in out
+
+
 def test_checkpoint_cost_saves_and_restores_the_tiny_model(tmp_path, script_here):
     out = script_here("checkpoint_cost.py", "tiny", "2", cwd=tmp_path)
     assert "model=tiny depth=2 d_model=32" in out

@@ -10,7 +10,7 @@ interleaved, round after round, and every figure is a median over all windows of
 none of them).
 
 `--isolated N` times the Probe alone, which a loaded machine cannot hide: a real training run of the same model
-and batch with telemetry every 2 steps, each step timed by process CPU time (from the end of the step before);
+(`--model`, a preset: the default model unless told) and batch with telemetry every 2 steps, each step timed by process CPU time (from the end of the step before);
 printed are the minimum plain and telemetry step and the median over N pairs of (telemetry step − the plain
 step before it), i.e. what one telemetry step adds.
 
@@ -24,7 +24,8 @@ REF` measures them also for the package at git REF (a `git archive` of it, impor
 the two alternated process after process, and prints both.
 
     python scripts/bench_telemetry.py [--rounds 8] [--windows 2] [--threads N] [--batch 32] [--seq 128]
-                                      [--isolated 0] [--processes 2] [--ops] [--base REF] [--device cpu]
+                                      [--isolated 0] [--model small] [--processes 2] [--ops] [--base REF]
+                                      [--device cpu]
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def measure(args) -> dict:
     device = [f"device={args.device}", f"precision={args.precision}"]
     out: dict = {"normlab": str(Path(__import__("normlab").__file__).parents[1])}
     if args.isolated:
-        times = metered_run([*device, f"batch_size={args.batch}", f"seq_len={args.seq}"], 2 * args.isolated + 3, False)
+        times = metered_run([f"model={args.model}", *device, f"batch_size={args.batch}", f"seq_len={args.seq}"],
+                            2 * args.isolated + 3, False)
         out["isolated"] = [(times[2 * k + 1], times[2 * k + 2]) for k in range(1, args.isolated + 1)]
     if args.ops:
         out["ops"] = {}
@@ -173,7 +175,8 @@ def archived(ref: str, into: str) -> str:
 
 def measured_in(tree: str, args, ops: bool) -> dict:
     """`measure` run in a fresh process that imports normlab from `tree` (the op counts only with `ops`)."""
-    flags = ["--measure", "--isolated", str(args.isolated), "--batch", str(args.batch), "--seq", str(args.seq),
+    flags = ["--measure", "--isolated", str(args.isolated), "--model", args.model, "--batch", str(args.batch),
+             "--seq", str(args.seq),
              "--device", args.device, "--precision", args.precision, "--ops-batch", str(args.ops_batch or 0),
              "--ops-seq", str(args.ops_seq or 0), *(["--ops"] if ops else []),
              *(["--threads", str(args.threads)] if args.threads else [])]
@@ -202,7 +205,7 @@ def print_ops(results: dict[str, dict], args) -> None:
 
 
 def print_isolated(rounds: dict[str, list[dict]], args) -> None:
-    print(f"\nprobe alone, {args.isolated} interleaved pairs per process, process CPU time, default model, batch "
+    print(f"\nprobe alone, {args.isolated} interleaved pairs per process, process CPU time, model={args.model}, batch "
           f"{args.batch} x seq {args.seq}, torch threads {args.threads or torch.get_num_threads()}:")
     for name, results in rounds.items():
         for i, result in enumerate(results):
@@ -263,6 +266,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32, help="sequences per step")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--isolated", type=int, default=0, help="pairs of plain and telemetry steps timed (0: none)")
+    parser.add_argument("--model", default="small", help="--isolated: the model preset (default: the default model)")
     parser.add_argument("--ops", action="store_true", help="count the aten ops of a plain and a telemetry step")
     parser.add_argument("--ops-batch", type=int, default=0, help="--ops: this batch for both shapes (0: their own)")
     parser.add_argument("--ops-seq", type=int, default=0, help="--ops: this sequence length (0: their own)")

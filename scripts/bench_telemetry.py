@@ -34,6 +34,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -141,7 +142,10 @@ def metered_run(overrides: list[str], steps: int, ops: bool) -> dict:
 def measure(args) -> dict:
     """This process's figures (the package it imports: this tree's, or --base's archive)."""
     device = [f"device={args.device}", f"precision={args.precision}"]
-    out: dict = {"normlab": str(Path(__import__("normlab").__file__).parents[1])}
+    import normlab
+    import normlab.conf
+
+    out: dict = {"normlab": str(Path(normlab.__file__).parents[1]), "conf": normlab.conf.__file__}
     if args.isolated:
         times = metered_run([f"model={args.model}", *device, f"batch_size={args.batch}", f"seq_len={args.seq}"],
                             2 * args.isolated + 3, False)
@@ -165,11 +169,13 @@ def ops_size(shape: str, args) -> tuple[int, int]:
 
 
 def archived(ref: str, into: str) -> str:
-    """`git archive` of `ref` unpacked under `into`; its commit."""
+    """`git archive` of `ref` unpacked under `into`, its packaged config (conf/, installed as normlab.conf) placed
+    where an import from `into` finds it; its commit."""
     commit = subprocess.run(["git", "rev-parse", "--short", ref], cwd=ROOT, check=True, capture_output=True,
                             text=True).stdout.strip()
     archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
+    shutil.copytree(Path(into) / "conf", Path(into) / "normlab" / "conf")
     return commit
 
 
@@ -183,8 +189,8 @@ def measured_in(tree: str, args, ops: bool) -> dict:
     env = {**os.environ, "PYTHONPATH": tree}
     done = subprocess.run([sys.executable, __file__, *flags], env=env, check=True, capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    if Path(result["normlab"]).resolve() != Path(tree).resolve():
-        raise RuntimeError(f"the process for {tree} imported normlab from {result['normlab']}")
+    if Path(result["normlab"]).resolve() != Path(tree).resolve() or Path(tree).resolve() not in Path(result["conf"]).resolve().parents:
+        raise RuntimeError(f"the process for {tree} imported normlab from {result['normlab']}, its config from {result['conf']}")
     return result
 
 

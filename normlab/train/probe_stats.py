@@ -91,10 +91,10 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, softcap: float | None = No
     q, k = q.float(), k.float()
     T = q.size(-2)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))).masked_fill(future, -math.inf)
+    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))).masked_fill_(future, -math.inf)  # in place: a fresh tensor
     largest = scores.flatten(-4).amax(-1)
     if softcap:
-        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(future, -math.inf)  # tanh(-inf) is -1
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill_(future, -math.inf)  # tanh(-inf) is -1
     p = torch.softmax(scores, dim=-1)
     entropy = -torch.special.xlogy(p, p).sum(-1)  # xlogy(0, 0) = 0 for the masked keys
     return largest, entropy.mean(-1).sum(-2)

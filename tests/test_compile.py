@@ -6,6 +6,7 @@ mode does) and run in one xdist worker, in this order: the later ones find the f
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -149,3 +150,23 @@ def test_reduce_overhead_compiles_with_the_default_modes_inductor_settings_off_c
     runtime.compile_model(net, "reduce-overhead", torch.device("cuda"))
     runtime.compile_model(net, "max-autotune", torch.device("cpu"))
     assert modes == [None, None, "reduce-overhead", "max-autotune"]
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
+def test_the_telemetry_graph_compiles_without_cuda_graphs_and_static_shapes_in_every_mode(tmp_path, monkeypatch, mode):
+    """Whatever compile_mode the plain steps use, the Probe compiles its forward with torch.compile's default mode
+    (no CUDA graphs: its statistics are read after the step's other micro-batches, which a replay would
+    overwrite) and dynamic=False (one graph per micro-batch shape, none made dynamic by a second shape)."""
+    import normlab.train.probe as probe_module
+    from normlab.train.callbacks import Telemetry
+    from normlab.train.run import build_state, standard_callbacks
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append((fn, kwargs)) or fn)
+    cfg = tiny_config("rms", compile=True, compile_mode=mode)
+    state = build_state(cfg, torch.device("cpu"), "fp32")
+    checkpointer = SimpleNamespace(run_dir=tmp_path)
+    callbacks = standard_callbacks(cfg, state, [], checkpointer, torch.device("cpu"))
+    (telemetry,) = [c for c in callbacks if isinstance(c, Telemetry)]
+    assert calls == [(probe_module.watched_forward, {"dynamic": False})]
+    assert telemetry.probe.net is state.model

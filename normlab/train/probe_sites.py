@@ -31,10 +31,13 @@ from normlab.train.probe_stats import (
     units,
 )
 
-# A stack of blocks' tensors holds at most this many elements (512 MiB in float32): the medium preset's stream
-# (9 × 32 × 128 × 256) is one chunk; GPT-2 small's at batch 32 × 1024 (25M elements a block) is stacked four
-# blocks at a time, and its attention scores (8 × 12 × 1024² a block) one block at a time.
-STACK_ELEMENTS = 1 << 27
+# A stack of blocks' tensors holds at most this many elements (16 MiB in float32), and so does each temporary
+# of the same size that its statistics make: below the 32 MiB from which glibc maps fresh pages for a block
+# (normlab.train.runtime.MMAP_THRESHOLD), so that on the CPU they come from the heap rather than page faults:
+# with the medium preset's whole stream in one 36 MiB stack a telemetry step added 334-467 ms of CPU time, the
+# hook-based Probe before it 170 ms. That stream (32 × 128 × 256 a block) is now stacked three blocks at a
+# time; on a GPU that is a few launches more.
+STACK_ELEMENTS = 1 << 22
 
 
 # The statistics of the probed sequences alone: absent from a micro-batch that holds none of them.
@@ -191,7 +194,8 @@ def _stream(parts: Parts, s: torch.Tensor, labels: tuple[str, ...], rows: int) -
     # Gromov et al.'s and the Curse of Depth's angular distance: the sequence's last token alone.
     parts.add("mean", keys("act/block_angle_last"), angles[..., -1].sum(-1), B)
     parts.add("max", keys("act/resid_max"), max_abs(outs, (1, 2, 3)))
-    parts.add("kurtosis", keys("act/kurtosis"), outs.square().sum((1, 2)))
+    # Σ_t y_tj² per feature, as a norm: no tensor of the stream's size is made.
+    parts.add("kurtosis", keys("act/kurtosis"), torch.linalg.vector_norm(outs, dim=(1, 2)).square())
     if T > 1:  # a pair of distinct tokens needs two
         parts.add("mean", keys("act/token_cos"), token_cos(u[1:]).sum(-1), B)
     if not rows:
@@ -217,13 +221,11 @@ def _attention(parts: Parts, qs: list[torch.Tensor], ks: list[torch.Tensor], pla
         parts.absent("max", maxima, qs[0])
         parts.absent("entropy", entropies, qs[0], width=H)
         return
-    per_chunk = max(1, STACK_ELEMENTS // max(qs[0].numel(), plan.rows * H * T * T))
+    per_chunk = max(1, STACK_ELEMENTS // (plan.rows * H * T * max(T, qs[0].size(-1))))
     for start in range(0, len(qs), per_chunk):
         end = start + per_chunk
-        if per_chunk == 1:  # one block: its probed rows alone, not a copy of the whole batch's
-            q, k = qs[start][None, : plan.rows], ks[start][None, : plan.rows]
-        else:
-            q, k = (torch.stack(xs[start:end])[:, : plan.rows] for xs in (qs, ks))
+        # The probed rows alone are stacked: a copy of the whole batch's would cost more than the slices' ops.
+        q, k = (torch.stack([x[: plan.rows] for x in xs[start:end]]) for xs in (qs, ks))
         largest, entropy = attention_stats(q, k, plan.softcap)
         parts.add("max", maxima[start:end], largest)
         parts.add("entropy", entropies[start:end], entropy, plan.rows)

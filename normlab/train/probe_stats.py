@@ -32,7 +32,8 @@ def token_cos(u: torch.Tensor) -> torch.Tensor:
     """Per sequence of unit vectors `u` (..., T, d), T > 1, the mean cosine similarity between the vectors of two
     different tokens: 1/(T(T−1)) Σ_{i≠j} u_i·u_j, with Σ_{i≠j} u_i·u_j = |Σ_i u_i|² − Σ_i |u_i|². Shape (...)."""
     T = u.size(-2)
-    pairs = u.sum(-2).square().sum(-1) - u.square().sum((-2, -1))
+    # Σ_i |u_i|² as a norm: no tensor of u's size is made (T up to rounding, 0 for a token of norm 0).
+    pairs = u.sum(-2).square().sum(-1) - torch.linalg.vector_norm(u, dim=(-2, -1)).square()
     return pairs / (T * (T - 1))
 
 
@@ -66,7 +67,7 @@ def max_median_ratios(y: torch.Tensor) -> torch.Tensor:
     for `y` (..., d): one entry per token (...). As He et al.'s code takes it: centred, and torch's median (for
     an even d the lower of the two middle values)."""
     y = y.float()
-    magnitudes = (y - y.mean(-1, keepdim=True)).abs()
+    magnitudes = (y - y.mean(-1, keepdim=True)).abs_()  # in place: a fresh tensor
     return magnitudes.amax(-1) / lower_median(magnitudes)
 
 

@@ -48,7 +48,7 @@ from torch import nn
 from normlab.keys import layer_key, layer_label
 from normlab.train.probe_norms import eps_floors, eps_ratios, norm_modules, norm_parameter_groups, norm_parameter_stats
 from normlab.train.probe_params import group_stats, param_groups
-from normlab.train.probe_sites import Entry, Plan, Recorder, forward_statistics, read_entries
+from normlab.train.probe_sites import Entry, Plan, Recorder, read_entries
 from normlab.train.probe_stats import l2_norms
 
 # The attention statistics and the max/median ratio are taken on the step's first PROBE_SEQS sequences,
@@ -60,11 +60,10 @@ PROBE_SEQS = 8
 
 def watched_forward(net: nn.Module, idx: torch.Tensor, collectors: list[torch.Tensor], plan: Plan):
     """`net`'s logits for `idx`, run with a Recorder as its tap, and the statistics of what it was shown:
-    (logits, sums, maxima, entries), see probe_sites.forward_statistics. The function that compile=true compiles."""
-    tap = Recorder(collectors)
+    (logits, sums, maxima, entries), see probe_sites.Recorder. The function that compile=true compiles."""
+    tap = Recorder(collectors, plan)
     logits = net(idx, tap=tap)
-    with torch.no_grad():
-        sums, maxima, entries = forward_statistics(tap.sites, plan)
+    sums, maxima, entries = tap.finish()
     return logits, sums, maxima, entries
 
 

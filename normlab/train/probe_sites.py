@@ -1,12 +1,12 @@
 """The forward side of a telemetry step: the tap that keeps the model's tensors (normlab.nn.tap), the identity that
 measures the residual stream's gradient in backward, and the statistics of every site computed at once.
 
-The statistics of one site are computed for all blocks together: the blocks' tensors stacked (in chunks of at
-most STACK_ELEMENTS elements), or reduced by one fused multi-tensor kernel (torch._foreach_norm), so a
-telemetry step launches a number of kernels that does not grow with depth (at the shapes where one chunk holds
-every block). Everything reduces, on the device, to two flat vectors per forward: sums, which micro-batches
-add up, and maxima. `Entry`s say which keys their values are; `read_entries` turns the transferred values into
-the statistics on the host.
+The statistics of one site are computed for many blocks together: the blocks' tensors stacked (in chunks of at
+most STACK_ELEMENTS elements, each measured as soon as its last block has run), or reduced by one fused
+multi-tensor kernel (torch._foreach_norm), so a telemetry step launches a number of kernels that grows with
+depth only by chunks, not by blocks. Everything reduces, on the device, to two flat vectors per forward: sums,
+which micro-batches add up, and maxima. `Entry`s say which keys their values are; `read_entries` turns the
+transferred values into the statistics on the host.
 """
 
 from __future__ import annotations
@@ -65,25 +65,6 @@ class Collect(torch.autograd.Function):
         return grad, torch.linalg.vector_norm(grad, dtype=torch.float32).square()
 
 
-class Recorder:
-    """The tap of a telemetry forward: keeps every tensor the model shows, by (site, block index or None), and
-    passes the embedding (`collectors[0]`) and each block's output stream (`collectors[i + 1]`) through Collect."""
-
-    def __init__(self, collectors: list[torch.Tensor], sites: dict | None = None, layer: int | None = None):
-        self.collectors = collectors
-        self.sites: dict[tuple[str, int | None], torch.Tensor] = {} if sites is None else sites
-        self.layer = layer
-
-    def __call__(self, site: str, x: torch.Tensor) -> torch.Tensor:
-        self.sites[site, self.layer] = x
-        if self.collectors and site in ("embed", "out"):
-            return Collect.apply(x, self.collectors[0 if self.layer is None else self.layer + 1])
-        return x
-
-    def block(self, index: int) -> "Recorder":
-        return Recorder(self.collectors, self.sites, index)
-
-
 @dataclass(frozen=True)
 class Plan:
     """What one forward's statistics depend on besides its tensors."""
@@ -126,22 +107,78 @@ class Parts:
         return torch.cat(self.values["sum"]), torch.cat(self.values["max"]), (*map(tuple, self.entries.values()),)
 
 
-def forward_statistics(sites: dict, plan: Plan):
-    """Every activation statistic of one forward from the tensors a Recorder kept: (sums, maxima, entries)."""
-    parts = Parts()
-    _rms(parts, sites, plan)
-    embed = sites["embed", None]
-    parts.add("max", ("act/embed_max",), max_abs(embed, tuple(range(embed.dim()))).reshape(1))
-    stream = [sites["in", 0], *(sites["out", i] for i in range(len(plan.labels)))]
-    per_chunk = max(1, STACK_ELEMENTS // stream[0].numel() - 1)
-    for start in range(0, len(plan.labels), per_chunk):  # consecutive chunks share a block's stream
-        _stream(parts, torch.stack(stream[start : start + per_chunk + 1]).float(), plan.labels[start : start + per_chunk],
-                plan.rows)
-    _attention(parts, [sites["attn.q", i] for i in range(len(plan.labels))],
-               [sites["attn.k", i] for i in range(len(plan.labels))], plan)
-    logits = sites["logits", None]
-    parts.add("mean", ("out/logz",), logz_sum(logits).reshape(1), logits.numel() // logits.size(-1))
-    return parts.finish()
+class Recorder:
+    """The tap of a telemetry forward (normlab.nn.tap), and the statistics of what it is shown (`finish`).
+
+    It keeps every tensor the model shows, by (site, block index or None), and passes the embedding
+    (`collectors[0]`) and each block's output stream (`collectors[i + 1]`) through Collect. As soon as the
+    last block of a chunk has run, it measures the chunk's stream statistics (and after its keys, its
+    attention statistics): on the CPU their tensors are then still in the caches. `finish()` measures the
+    rest and returns the forward's (sums, maxima, entries)."""
+
+    def __init__(self, collectors: list[torch.Tensor], plan: Plan):
+        self.collectors, self.plan = collectors, plan
+        self.sites: dict[tuple[str, int | None], torch.Tensor] = {}
+        self.parts = Parts()
+        self._measured = {"out": 0, "attn.k": 0}  # blocks whose stream / attention statistics are measured
+
+    def __call__(self, site: str, x: torch.Tensor) -> torch.Tensor:
+        return self.record(site, None, x)
+
+    def block(self, index: int) -> "BlockTap":
+        return BlockTap(self, index)
+
+    def record(self, site: str, layer: int | None, x: torch.Tensor) -> torch.Tensor:
+        self.sites[site, layer] = x
+        if site in self._measured and self._chunk_ends(site, layer):
+            with torch.no_grad():
+                self._measure(site, layer)
+        if self.collectors and site in ("embed", "out"):
+            return Collect.apply(x, self.collectors[0 if layer is None else layer + 1])
+        return x
+
+    def _chunk_ends(self, site: str, layer: int) -> bool:
+        """Whether block `layer` ends a chunk of the blocks not yet measured at `site` (out: the stream's, of
+        at most STACK_ELEMENTS elements with the stream entering the first; attn.k: the attention's)."""
+        x = self.sites[site, layer]
+        if site == "out":
+            per_chunk = max(1, STACK_ELEMENTS // x.numel() - 1)
+        else:
+            B, H, T, D = x.shape
+            per_chunk = max(1, STACK_ELEMENTS // (max(1, self.plan.rows) * H * T * max(T, D)))
+        return layer + 1 - self._measured[site] == per_chunk or layer == len(self.plan.labels) - 1
+
+    def _measure(self, site: str, last: int) -> None:
+        first, self._measured[site] = self._measured[site], last + 1
+        blocks = range(first, last + 1)
+        if site == "out":
+            stream = [self.sites["in", 0] if first == 0 else self.sites["out", first - 1],
+                      *(self.sites["out", i] for i in blocks)]
+            _stream(self.parts, torch.stack(stream).float(), self.plan.labels[first : last + 1], self.plan.rows)
+        else:
+            _attention(self.parts, [self.sites["attn.q", i] for i in blocks], [self.sites["attn.k", i] for i in blocks],
+                       self.plan.labels[first : last + 1], self.plan)
+
+    @torch.no_grad()
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[Entry, ...], tuple[Entry, ...]]]:
+        """The forward's statistics (the blocks' stream and attention already measured): (sums, maxima, entries)."""
+        parts = self.parts
+        _rms(parts, self.sites, self.plan)
+        embed = self.sites["embed", None]
+        parts.add("max", ("act/embed_max",), max_abs(embed, tuple(range(embed.dim()))).reshape(1))
+        logits = self.sites["logits", None]
+        parts.add("mean", ("out/logz",), logz_sum(logits).reshape(1), logits.numel() // logits.size(-1))
+        return parts.finish()
+
+
+class BlockTap:
+    """The tap block `layer` is given: its sites go to `recorder` under its index."""
+
+    def __init__(self, recorder: Recorder, layer: int):
+        self.recorder, self.layer = recorder, layer
+
+    def __call__(self, site: str, x: torch.Tensor) -> torch.Tensor:
+        return self.recorder.record(site, self.layer, x)
 
 
 def rms_key(site: str, label: str | None) -> str | None:
@@ -194,8 +231,8 @@ def _stream(parts: Parts, s: torch.Tensor, labels: tuple[str, ...], rows: int) -
     # Gromov et al.'s and the Curse of Depth's angular distance: the sequence's last token alone.
     parts.add("mean", keys("act/block_angle_last"), angles[..., -1].sum(-1), B)
     parts.add("max", keys("act/resid_max"), max_abs(outs, (1, 2, 3)))
-    # Σ_t y_tj² per feature, as a norm: no tensor of the stream's size is made.
-    parts.add("kurtosis", keys("act/kurtosis"), torch.linalg.vector_norm(outs, dim=(1, 2)).square())
+    # Σ_t y_tj² per feature. (A vector_norm over dims 1 and 2 would make no temporary, but takes 5x longer on the CPU.)
+    parts.add("kurtosis", keys("act/kurtosis"), outs.square().sum((1, 2)))
     if T > 1:  # a pair of distinct tokens needs two
         parts.add("mean", keys("act/token_cos"), token_cos(u[1:]).sum(-1), B)
     if not rows:
@@ -211,24 +248,20 @@ def _stream(parts: Parts, s: torch.Tensor, labels: tuple[str, ...], rows: int) -
     parts.add("max", keys("act/top_median_max"), top.amax(-1))
 
 
-def _attention(parts: Parts, qs: list[torch.Tensor], ks: list[torch.Tensor], plan: Plan) -> None:
-    """The attention statistics of every block from its queries and keys (B, n_head, T, head_dim), on the
-    plan's rows, with the T×T scores of at most STACK_ELEMENTS elements at once."""
-    maxima = tuple(layer_key("attn/logit_max", label) for label in plan.labels)
-    entropies = tuple(layer_key("attn/entropy", label) for label in plan.labels)
-    B, H, T, _ = qs[0].shape
+def _attention(parts: Parts, qs: list[torch.Tensor], ks: list[torch.Tensor], labels: tuple[str, ...], plan: Plan) -> None:
+    """The attention statistics of the blocks `labels` from their queries and keys (B, n_head, T, head_dim), on
+    the plan's rows."""
+    maxima = tuple(layer_key("attn/logit_max", label) for label in labels)
+    entropies = tuple(layer_key("attn/entropy", label) for label in labels)
     if not plan.rows:
         parts.absent("max", maxima, qs[0])
-        parts.absent("entropy", entropies, qs[0], width=H)
+        parts.absent("entropy", entropies, qs[0], width=qs[0].size(1))
         return
-    per_chunk = max(1, STACK_ELEMENTS // (plan.rows * H * T * max(T, qs[0].size(-1))))
-    for start in range(0, len(qs), per_chunk):
-        end = start + per_chunk
-        # The probed rows alone are stacked: a copy of the whole batch's would cost more than the slices' ops.
-        q, k = (torch.stack([x[: plan.rows] for x in xs[start:end]]) for xs in (qs, ks))
-        largest, entropy = attention_stats(q, k, plan.softcap)
-        parts.add("max", maxima[start:end], largest)
-        parts.add("entropy", entropies[start:end], entropy, plan.rows)
+    # The probed rows alone are stacked: a copy of the whole batch's would cost more than the slices' ops.
+    q, k = (torch.stack([x[: plan.rows] for x in xs]) for xs in (qs, ks))
+    largest, entropy = attention_stats(q, k, plan.softcap)
+    parts.add("max", maxima, largest)
+    parts.add("entropy", entropies, entropy, plan.rows)
 
 
 def read_entries(entries: tuple[Entry, ...], counts: list[int], values: list[float]) -> dict[str, float]:

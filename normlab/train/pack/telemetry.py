@@ -1,8 +1,8 @@
 """Telemetry per member of a pack: the Probe's statistics, measured on the packed model, one record per member.
 
 `PackedProbe` is telemetry.Probe over a PackedModel. Inside the batched call (PackedModel.losses) each member's
-forward runs with the Probe's tap, a Recorder, and the Probe's forward statistics are computed from what it
-kept, member by member: torch.func.vmap stacks them, shape (M, ...), and the watcher takes them back
+forward runs with the Probe's tap, a Recorder, which computes the Probe's forward statistics from what it is
+shown, member by member: torch.func.vmap stacks them, shape (M, ...), and the watcher takes them back
 (`absorb`). Every statistic is the Probe's own computation; only the RMS of the sites is one norm per tensor
 instead of one fused norm (torch._foreach_norm has no batching rule under vmap). The stream's gradient is
 collected by the Probe's Collect into one zero per member and site, passed into the batched call as the taps.
@@ -20,7 +20,7 @@ import torch
 
 from normlab.nn.packed import PackedModel, member_norms
 from normlab.train.probe import Probe
-from normlab.train.probe_sites import Plan, Recorder, forward_statistics
+from normlab.train.probe_sites import Plan, Recorder
 
 
 class PackedProbe(Probe):
@@ -73,7 +73,7 @@ class PackedProbe(Probe):
         """The tap of a member's forward (inside vmap: `taps` are its collectors)."""
         if self._call is None:
             return None
-        recorder = Recorder(list(taps))
+        recorder = Recorder(list(taps), self._call[0])
         self._call = (self._call[0], recorder, ())
         return recorder
 
@@ -82,8 +82,7 @@ class PackedProbe(Probe):
         if self._call is None:
             return []
         plan, recorder, _ = self._call
-        with torch.no_grad():
-            sums, maxima, entries = forward_statistics(recorder.sites, plan)
+        sums, maxima, entries = recorder.finish()
         self._call = (plan, None, entries)
         return [sums, maxima]
 

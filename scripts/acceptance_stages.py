@@ -178,27 +178,10 @@ def telemetry(ctx: Context) -> None:
                    f"{shape_text(ctx, cfg)}: {1e3 * on:.2f} ms/step with telemetry every {every} steps, {1e3 * off:.2f} "
                    f"without; windows of {every} steps (one telemetry step each), {rounds} interleaved rounds",
                    f"the same run without telemetry: {1e3 * off:.2f} ms/step", command.format(shape=shape))
-    for capture in ("eager", "compile"):
-        telemetry_profile(ctx, capture)
-
-
-def telemetry_profile(ctx: Context, capture: str) -> None:
-    """scripts/telemetry_profile.py's profile of one medium-preset telemetry step (the tiny shape with smoke)."""
     import telemetry_profile
 
-    figures, text = telemetry_profile.profile_telemetry_step("medium", capture == "compile", ctx.precision, ctx.device)
-    path = ctx.out / f"telemetry-profile-medium-{capture}.txt"
-    path.write_text(text + "\n")
-    plain, step = figures["plain"], figures["telemetry"]
-    unit = "aten ops (smoke: the CPU launches no kernels)" if ctx.smoke else "kernels"
-    key = "aten_ops" if ctx.smoke else "kernels"
-    ctx.report(f"telemetry_step_added_kernels_{capture}", step[key] - plain[key],
-               f"{'smoke, CPU, the tiny shape' if ctx.smoke else 'medium preset'}, {capture}: {unit} of the telemetry step "
-               f"{step[key]}, of the plain step before it {plain[key]}; kernel time {step['device_ms']:.2f} ms against "
-               f"{plain['device_ms']:.2f}, CPU time seen {step['cpu_ms']:.1f} ms against {plain['cpu_ms']:.1f}, wall "
-               f"{step['wall_ms']:.1f} ms against {plain['wall_ms']:.1f}; the profile: {path.name} beside this JSON",
-               f"the plain step: {plain[key]} {unit}",
-               f"python scripts/telemetry_profile.py --shape medium{' --compile' if capture == 'compile' else ''}")
+    for capture in ("eager", "compile"):
+        telemetry_profile.acceptance_figure(ctx, capture)
 
 
 # ----------------------------------------------------------------------------- the command line: sweeps and runs

@@ -3,13 +3,13 @@ CPU time, and the ops that take the most of them.
 
     python scripts/telemetry_profile.py [--shape medium] [--compile] [--precision bf16] [--out DIR] [--cpu]
 
-A real normlab run of bench_gpu's shape (`medium`: the medium preset; `gpt2`: GPT-2 small's shape) with
+A real normlab run of bench_gpu's shape (`medium`: the medium preset; `gpt2`: GPT-2 small's shape; `tiny`) with
 telemetry every 10 steps and the step's figures read every step; steps 9 (plain) and 10 (telemetry) are
 profiled, each from its start to its end, the device synchronized at both. Printed, and with --out written to
 DIR/telemetry-profile-<shape>-<eager|compile>.txt: per step the CUDA kernels launched, the aten ops dispatched
 (nested ones counted), the kernels' total time, the CPU time the profiler saw (self time summed) and the step's
-wall time; then the telemetry step's table by self device time (by self CPU time on the CPU). On the CPU
-(`--cpu`, or without CUDA) it runs the tiny shape: a check of the script, its figures mean little.
+wall time; then the telemetry step's table by self device time (by self CPU time on the CPU, `--cpu` or
+without CUDA, where it runs fp32).
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ def profile_telemetry_step(shape: str, compiled: bool, precision: str, device: t
     import bench_gpu
     from normlab.train.run import train
 
-    shape = "tiny" if device.type == "cpu" else shape
     overrides = [*bench_gpu.SHAPES[shape], f"device={device.type}",
                  f"precision={precision}", f"compile={str(compiled).lower()}", "telemetry.every=10", "log_every=1",
                  f"max_steps={TELEMETRY + 2}", "eval_every=0", "eval_batches=1", "progress=false", "ckpt.every=0",
@@ -97,13 +96,33 @@ def profile_telemetry_step(shape: str, compiled: bool, precision: str, device: t
     return figures, "\n".join(lines)
 
 
+def acceptance_figure(ctx, capture: str) -> None:
+    """The GPU acceptance's telemetry stage (scripts/acceptance_stages.py, `ctx` its Context): one medium-preset
+    telemetry step profiled (the tiny shape with smoke), its report written beside the JSON, its added kernels
+    reported as a figure."""
+    figures, text = profile_telemetry_step("tiny" if ctx.smoke else "medium", capture == "compile", ctx.precision,
+                                           ctx.device)
+    path = ctx.out / f"telemetry-profile-medium-{capture}.txt"
+    path.write_text(text + "\n")
+    plain, step = figures["plain"], figures["telemetry"]
+    unit = "aten ops (smoke: the CPU launches no kernels)" if ctx.smoke else "kernels"
+    key = "aten_ops" if ctx.smoke else "kernels"
+    ctx.report(f"telemetry_step_added_kernels_{capture}", step[key] - plain[key],
+               f"{'smoke, CPU, the tiny shape' if ctx.smoke else 'medium preset'}, {capture}: {unit} of the telemetry step "
+               f"{step[key]}, of the plain step before it {plain[key]}; kernel time {step['device_ms']:.2f} ms against "
+               f"{plain['device_ms']:.2f}, CPU time seen {step['cpu_ms']:.1f} ms against {plain['cpu_ms']:.1f}, wall "
+               f"{step['wall_ms']:.1f} ms against {plain['wall_ms']:.1f}; the profile: {path.name} beside this JSON",
+               f"the plain step: {plain[key]} {unit}",
+               f"python scripts/telemetry_profile.py --shape medium{' --compile' if capture == 'compile' else ''}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="medium", choices=("medium", "gpt2"))
+    parser.add_argument("--shape", default="medium", choices=("medium", "gpt2", "tiny"))
     parser.add_argument("--compile", action="store_true", help="compile=true")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--out", type=Path, default=None, help="write the report into this directory")
-    parser.add_argument("--cpu", action="store_true", help="the tiny shape on the CPU: a check of the script")
+    parser.add_argument("--cpu", action="store_true", help="on the CPU, even where CUDA is")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     precision = args.precision if device.type == "cuda" else "fp32"

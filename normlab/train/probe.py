@@ -46,7 +46,14 @@ import torch
 from torch import nn
 
 from normlab.keys import layer_key, layer_label
-from normlab.train.probe_norms import eps_floors, eps_ratios, norm_modules, norm_parameter_groups, norm_parameter_stats
+from normlab.train.probe_norms import (
+    NormParams,
+    eps_floors,
+    eps_ratios,
+    norm_modules,
+    norm_parameter_groups,
+    norm_parameter_stats,
+)
 from normlab.train.probe_params import group_stats, param_groups
 from normlab.train.probe_sites import Entry, Plan, Recorder, read_entries
 from normlab.train.probe_stats import l2_norms
@@ -165,7 +172,7 @@ class Probe:
         weights = self._weights()
         self._before = torch._foreach_mul(weights, 1.0)  # one fused copy of every weight (× 1 is exact)
         self._weight_norms = self._norms_of(weights)
-        self._norm_values = [norm_parameter_stats(group, self._stacked(group.names)) for group in self._norm_groups]
+        self._norm_values = [norm_parameter_stats(group, self._stacked(group)) for group in self._norm_groups]
 
     def _weights(self) -> list[torch.Tensor]:
         """The parameters, aligned with self._params."""
@@ -175,11 +182,10 @@ class Probe:
         """The L2 norm of each of `tensors` (aligned with self._params), (members, n) or (n,) for one member."""
         return l2_norms(tensors)
 
-    def _stacked(self, names: tuple[str, ...]) -> torch.Tensor:
-        """The model's tensors `names` stacked, (len(names), members, *shape)."""
-        tensors = [self.model.get_parameter(n) if n.rpartition(".")[2] != "running_var" else self.model.get_buffer(n)
-                   for n in names]
-        return torch.stack(tensors).unsqueeze(1)
+    def _stacked(self, group: NormParams) -> torch.Tensor:
+        """The model's tensors of `group` stacked, (len(group.names), members, *shape)."""
+        get = self.model.get_buffer if group.kind == "running_var" else self.model.get_parameter
+        return torch.stack([get(name) for name in group.names]).unsqueeze(1)
 
     def collect(self) -> dict[str, float]:
         """Finish the step and return every statistic as {key: float}.

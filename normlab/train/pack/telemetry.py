@@ -20,6 +20,7 @@ import torch
 
 from normlab.nn.packed import PackedModel, member_norms
 from normlab.train.probe import Probe
+from normlab.train.probe_norms import NormParams
 from normlab.train.probe_sites import Plan, Recorder
 
 
@@ -43,8 +44,9 @@ class PackedProbe(Probe):
     def _norms_of(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         return member_norms(tensors).T
 
-    def _stacked(self, names: tuple[str, ...]) -> torch.Tensor:
-        return torch.stack([self.pack.params[n] if n in self.pack.params else self.pack.buffers[n] for n in names])
+    def _stacked(self, group: NormParams) -> torch.Tensor:
+        tensors = self.pack.buffers if group.kind == "running_var" else self.pack.params
+        return torch.stack([tensors[name] for name in group.names])
 
     def _collected(self) -> torch.Tensor | None:
         collected = super()._collected()

@@ -159,16 +159,16 @@ class Recorder:
             _attention(self.parts, [self.sites["attn.q", i] for i in blocks], [self.sites["attn.k", i] for i in blocks],
                        self.plan.labels[first : last + 1], self.plan)
 
-    @torch.no_grad()
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[Entry, ...], tuple[Entry, ...]]]:
         """The forward's statistics (the blocks' stream and attention already measured): (sums, maxima, entries)."""
         parts = self.parts
-        _rms(parts, self.sites, self.plan)
-        embed = self.sites["embed", None]
-        parts.add("max", ("act/embed_max",), max_abs(embed, tuple(range(embed.dim()))).reshape(1))
-        logits = self.sites["logits", None]
-        parts.add("mean", ("out/logz",), logz_sum(logits).reshape(1), logits.numel() // logits.size(-1))
-        return parts.finish()
+        with torch.no_grad():  # not the decorator: torch.compile cannot trace a method wrapped by it into a graph
+            _rms(parts, self.sites, self.plan)
+            embed = self.sites["embed", None]
+            parts.add("max", ("act/embed_max",), max_abs(embed, tuple(range(embed.dim()))).reshape(1))
+            logits = self.sites["logits", None]
+            parts.add("mean", ("out/logz",), logz_sum(logits).reshape(1), logits.numel() // logits.size(-1))
+            return parts.finish()
 
 
 class BlockTap:

@@ -3,8 +3,8 @@ measures the residual stream's gradient in backward, and the statistics of every
 
 The statistics of one site are computed for many blocks together: the blocks' tensors stacked (in chunks of at
 most STACK_ELEMENTS elements, each measured as soon as its last block has run), or reduced by one fused
-multi-tensor kernel (torch._foreach_norm), so a telemetry step launches a number of kernels that grows with
-depth only by chunks, not by blocks. Everything reduces, on the device, to two flat vectors per forward: sums,
+multi-tensor kernel (torch._foreach_norm), so a telemetry step launches a few kernels per block (the
+gradient's collector, the probed rows of queries and keys) and the rest per chunk of blocks. Everything reduces, on the device, to two flat vectors per forward: sums,
 which micro-batches add up, and maxima. `Entry`s say which keys their values are; `read_entries` turns the
 transferred values into the statistics on the host.
 """

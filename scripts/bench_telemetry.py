@@ -17,15 +17,16 @@ step before it), i.e. what one telemetry step adds.
 `--ops` counts the aten ops (a TorchDispatchMode: independent of the machine and its load) that one step of a
 real training run dispatches, plain and with telemetry, for the medium preset (8 blocks, width 256, batch
 32 × 128) and GPT-2 small's shape (12 blocks, width 768, 12 heads, at batch 8 × 128 so that the CPU runs it;
-`--ops-batch`, `--ops-seq` set both shapes' size): on a GPU each op is at least one kernel launch.
+`--ops-shapes` picks them, `--ops-batch`, `--ops-seq` set their size): on a GPU each op is at least one kernel
+launch.
 
 `--isolated` and `--ops` run in fresh processes (`--processes` of them for `--isolated`, 2 by default); `--base
 REF` measures them also for the package at git REF (a `git archive` of it, imported instead of this tree's),
 the two alternated process after process, and prints both.
 
     python scripts/bench_telemetry.py [--rounds 8] [--windows 2] [--threads N] [--batch 32] [--seq 128]
-                                      [--isolated 0] [--model small] [--processes 2] [--ops] [--base REF]
-                                      [--device cpu]
+                                      [--isolated 0] [--model small] [--processes 2] [--ops] [--ops-shapes medium,gpt2]
+                                      [--ops-batch B] [--ops-seq T] [--base REF] [--device cpu] [--precision fp32]
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ import bench  # noqa: E402  (scripts/ is on sys.path when a script of it runs)
 ROOT = Path(__file__).resolve().parents[1]
 # --ops: each shape's overrides and its batch × sequence (the medium preset's own; GPT-2 small's, which would be
 # 32 × 1024, at a size the CPU runs in a minute).
-OPS_SHAPES = {"medium preset": (["model=medium"], (32, 128)),
-              "GPT-2 small's shape": (["depth=12", "model.d_model=768", "model.n_head=12", "model.context=1024"], (8, 128))}
+OPS_SHAPES = {"medium": ("medium preset", ["model=medium"], (32, 128)),
+              "gpt2": ("GPT-2 small's shape", ["depth=12", "model.d_model=768", "model.n_head=12", "model.context=1024"],
+                       (8, 128))}
 
 
 class WindowClock(bench.WindowClock):
@@ -152,8 +154,8 @@ def measure(args) -> dict:
         out["isolated"] = [(times[2 * k + 1], times[2 * k + 2]) for k in range(1, args.isolated + 1)]
     if args.ops:
         out["ops"] = {}
-        for shape, (overrides, _) in OPS_SHAPES.items():
-            batch, seq = ops_size(shape, args)
+        for shape in args.ops_shapes.split(","):
+            overrides, (batch, seq) = OPS_SHAPES[shape][1], ops_size(shape, args)
             counts = metered_run([*overrides, *device, f"batch_size={batch}", f"seq_len={seq}"], 3, True)
             out["ops"][shape] = {"plain": counts[1], "telemetry": counts[2]}  # step 1 plain, step 2 telemetry
     return out
@@ -161,7 +163,7 @@ def measure(args) -> dict:
 
 def ops_size(shape: str, args) -> tuple[int, int]:
     """The batch and sequence length --ops runs `shape` at: --ops-batch and --ops-seq where given."""
-    batch, seq = OPS_SHAPES[shape][1]
+    batch, seq = OPS_SHAPES[shape][2]
     return args.ops_batch or batch, args.ops_seq or seq
 
 
@@ -184,7 +186,7 @@ def measured_in(tree: str, args, ops: bool) -> dict:
     flags = ["--measure", "--isolated", str(args.isolated), "--model", args.model, "--batch", str(args.batch),
              "--seq", str(args.seq),
              "--device", args.device, "--precision", args.precision, "--ops-batch", str(args.ops_batch or 0),
-             "--ops-seq", str(args.ops_seq or 0), *(["--ops"] if ops else []),
+             "--ops-seq", str(args.ops_seq or 0), "--ops-shapes", args.ops_shapes, *(["--ops"] if ops else []),
              *(["--threads", str(args.threads)] if args.threads else [])]
     env = {**os.environ, "PYTHONPATH": tree}
     done = subprocess.run([sys.executable, __file__, *flags], env=env, check=True, capture_output=True, text=True)
@@ -195,11 +197,11 @@ def measured_in(tree: str, args, ops: bool) -> dict:
 
 
 def print_ops(results: dict[str, dict], args) -> None:
-    for shape in OPS_SHAPES:
-        depth, width = ("8", "256") if "medium" in shape else ("12", "768")
+    for shape in args.ops_shapes.split(","):
+        depth, width = ("8", "256") if shape == "medium" else ("12", "768")
         size = "batch {} x seq {}".format(*ops_size(shape, args))
-        print(f"\naten ops per training step, {shape} ({depth} blocks x {width}, {size}), {args.device} {args.precision}, eager, "
-              f"telemetry step against the plain step before it:")
+        print(f"\naten ops per training step, {OPS_SHAPES[shape][0]} ({depth} blocks x {width}, {size}), {args.device} "
+              f"{args.precision}, eager, telemetry step against the plain step before it:")
         print(f"{'package':<28}{'plain':>8}{'telemetry':>11}{'added':>8}{'added/plain':>13}")
         for name, result in results.items():
             counts = result["ops"][shape]
@@ -274,6 +276,7 @@ def main() -> int:
     parser.add_argument("--isolated", type=int, default=0, help="pairs of plain and telemetry steps timed (0: none)")
     parser.add_argument("--model", default="small", help="--isolated: the model preset (default: the default model)")
     parser.add_argument("--ops", action="store_true", help="count the aten ops of a plain and a telemetry step")
+    parser.add_argument("--ops-shapes", default="medium,gpt2", help=f"--ops: comma-separated, of {', '.join(OPS_SHAPES)}")
     parser.add_argument("--ops-batch", type=int, default=0, help="--ops: this batch for both shapes (0: their own)")
     parser.add_argument("--ops-seq", type=int, default=0, help="--ops: this sequence length (0: their own)")
     parser.add_argument("--base", default=None, help="git ref of the package to measure beside this tree")

@@ -51,10 +51,12 @@ class Stage:
 
 
 class Context:
-    """What a stage sees: smoke or not, its device and precision, a scratch dir, and `report`."""
+    """What a stage sees: smoke or not, its device and precision, a scratch dir, the directory of the run's JSON
+    (`out`, for files kept beside it), and `report`."""
 
-    def __init__(self, smoke: bool, result_path: Path, workdir: Path):
+    def __init__(self, smoke: bool, result_path: Path, workdir: Path, out: Path | None = None):
         self.smoke, self.result_path, self.workdir = smoke, result_path, workdir
+        self.out = workdir if out is None else out
         self.results: dict[str, dict[str, Any]] = {}
 
     @functools.cached_property
@@ -159,20 +161,27 @@ def medium_graphs(ctx: Context) -> None:
 
 
 def telemetry(ctx: Context) -> None:
-    """Step time with telemetry at its default interval over the step time without, minus 1, eager and compiled."""
+    """Step time with telemetry at its default interval over the step time without, minus 1: the medium preset eager
+    and compiled, GPT-2 small's shape eager; then one telemetry step of the medium preset profiled beside the plain
+    step before it, eager and compiled, each profile written beside the JSON."""
     from normlab.config import TelemetryConfig
 
     every = TelemetryConfig().every
-    windows, rounds = (1, 1) if ctx.smoke else (4, 2)
-    for capture in ("eager", "compile"):
+    command = f"{SCRIPT} --stage telemetry  (python scripts/bench_gpu.py --shapes {{shape}} --every {every})"
+    for shape, capture, (windows, rounds) in (("medium", "eager", (4, 2)), ("medium", "compile", (4, 2)),
+                                              ("gpt2", "eager", (2, 1))):
+        windows, rounds = (1, 1) if ctx.smoke else (windows, rounds)
         names = [f"normlab {capture}", f"normlab {capture} telemetry/{every}"]
-        step, cfg = step_medians(ctx, "medium", names, every, windows, rounds)
+        step, cfg = step_medians(ctx, shape, names, every, windows, rounds)
         off, on = step[names[0]], step[names[1]]
-        ctx.report(f"telemetry_overhead_{capture}", round(100 * (on / off - 1), 2),
+        ctx.report(f"telemetry_overhead{'_gpt2' if shape == 'gpt2' else ''}_{capture}", round(100 * (on / off - 1), 2),
                    f"{shape_text(ctx, cfg)}: {1e3 * on:.2f} ms/step with telemetry every {every} steps, {1e3 * off:.2f} "
                    f"without; windows of {every} steps (one telemetry step each), {rounds} interleaved rounds",
-                   f"the same run without telemetry: {1e3 * off:.2f} ms/step",
-                   f"{SCRIPT} --stage telemetry  (python scripts/bench_gpu.py --shapes medium --every {every})")
+                   f"the same run without telemetry: {1e3 * off:.2f} ms/step", command.format(shape=shape))
+    import telemetry_profile
+
+    for capture in ("eager", "compile"):
+        telemetry_profile.acceptance_figure(ctx, capture)
 
 
 # ----------------------------------------------------------------------------- the command line: sweeps and runs
@@ -469,8 +478,12 @@ STAGES = (
     Stage("medium_graphs", figures(("medium_graphs_tokens_per_s", "tokens/s", ">= 900000"),
                                    ("medium_graphs_vs_ref", "x", ">= 0.95")), 74, 180, medium_graphs,
           "the medium preset, compile=true compile_mode=reduce-overhead, against a CUDA-graph reference loop"),
-    Stage("telemetry", figures(("telemetry_overhead_eager", "%", "<= 3"), ("telemetry_overhead_compile", "%", "<= 3")),
-          56, 150, telemetry, "the medium preset's step time with telemetry every 10 steps over without, minus 1"),
+    Stage("telemetry", figures(("telemetry_overhead_eager", "%", "<= 3"), ("telemetry_overhead_compile", "%", "<= 3"),
+                               ("telemetry_overhead_gpt2_eager", "%", "<= 3"),
+                               ("telemetry_step_added_kernels_eager", "kernels", None),
+                               ("telemetry_step_added_kernels_compile", "kernels", None)),
+          90, 240, telemetry, "step time with telemetry every 10 steps over without, minus 1 (medium preset eager and "
+          "compiled, GPT-2 small's shape eager); one telemetry step profiled"),
     Stage("deterministic", figures(("deterministic_resume_equal", "", "== true"), ("deterministic_cost", "%", None)),
           75, 150, deterministic, "deterministic=true: its cost, and a SIGTERM-stopped, resumed run against the whole"),
     Stage("sweep8", figures(("sweep8_wall_s", "s", "<= 20"),), 95, 150, sweep8,

@@ -175,11 +175,13 @@ def previous_run(path: Path, header: dict[str, Any]) -> dict[str, Any] | None:
     return previous if same else None
 
 
-def run_stage(stage: Stage, budget: float, smoke: bool, log, scratch: Path, signals: Signals) -> tuple[dict, float, str, str | None]:
+def run_stage(stage: Stage, budget: float, smoke: bool, log, scratch: Path, signals: Signals,
+              out: Path | None = None) -> tuple[dict, float, str, str | None]:
     """The stage in a process (and process group) of its own, stopped at `budget` seconds or by a signal: its
-    results, wall time, status and, where it did not finish, why."""
+    results, wall time, status and, where it did not finish, why. Files it writes beside the JSON go to `out`."""
     result = scratch / f"{stage.name}.json"
-    command = [sys.executable, __file__, "--child", stage.name, "--result", str(result), *(["--smoke"] if smoke else [])]
+    command = [sys.executable, __file__, "--child", stage.name, "--result", str(result),
+               *(["--out", str(out)] if out else []), *(["--smoke"] if smoke else [])]
     log.write(f"\n===== stage {stage.name} (budget {budget:g} s), {time.strftime('%H:%M:%S')} =====\n")
     log.flush()
     started = time.perf_counter()
@@ -227,12 +229,13 @@ def read_results(path: Path) -> dict:
         return {}
 
 
-def child(name: str, result: Path, smoke: bool) -> int:
-    """Run one stage in this process; its figures go to `result` as it reports them."""
+def child(name: str, result: Path, smoke: bool, out: Path | None = None) -> int:
+    """Run one stage in this process; its figures go to `result` as it reports them, its files to `out` (by
+    default its scratch dir)."""
     from normlab.util.files import write_json_atomic
 
     with tempfile.TemporaryDirectory(prefix=f"acceptance-{name}-") as workdir:
-        ctx = Context(smoke, result, Path(workdir))
+        ctx = Context(smoke, result, Path(workdir), out)
         try:
             BY_NAME[name].run(ctx)
         except Exception as error:  # the driver records it as the stage's reason; the traceback goes to the log
@@ -280,7 +283,7 @@ def budgets(args: argparse.Namespace) -> dict[str, float] | str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        return child(args.child, args.result, args.smoke)
+        return child(args.child, args.result, args.smoke, args.out)
     unknown = [name for name in args.stage or () if name not in BY_NAME]
     limits = budgets(args)
     problem = (f"unknown stage {unknown[0]!r}: choose from {', '.join(BY_NAME)}" if unknown
@@ -308,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             budget = stage_budget([limits[s.name] for s in stages], i, time.perf_counter() - started)
             report.stages[stage.name]["budget_s"] = budget
-            results, wall, status, why = run_stage(stage, budget, args.smoke, log, Path(scratch), signals)
+            results, wall, status, why = run_stage(stage, budget, args.smoke, log, Path(scratch), signals, out)
             report.record(stage, results, wall, status, why)
             print(f"gpu_acceptance: {stage.name}: {status} in {wall:.1f} s" + (f" ({why})" if why else ""), flush=True)
     if signals.received:

@@ -82,6 +82,33 @@ def test_compiled_and_cuda_graph_steps_match_eager(tmp_path, exact_fp32, mode):
     assert fast["final_val_loss"] == pytest.approx(eager["final_val_loss"], rel=1e-4)
 
 
+def test_telemetry_steps_leave_the_plain_steps_cuda_graphs_replaying(tmp_path, monkeypatch):
+    """compile_mode=reduce-overhead with telemetry every 3 steps (0, 3, 6, 9, 11): the plain steps' forward and
+    backward are captured once, at the first plain steps; the telemetry steps (their own compiled graph, without
+    CUDA graphs) capture nothing, and the plain steps after them replay the graphs captured before."""
+    from torch._inductor.cudagraph_trees import CUDAGraphTreeManager
+
+    from normlab.train.callbacks import Callback
+
+    step, seen = [0], {"record_function": [], "execute_node": []}
+    for name in seen:
+        real = getattr(CUDAGraphTreeManager, name)
+        monkeypatch.setattr(CUDAGraphTreeManager, name,
+                            lambda self, *args, _real=real, _name=name: seen[_name].append(step[0]) or _real(self, *args))
+
+    class StepNumber(Callback):
+        name = "step_number"
+
+        def on_step_start(self, state):
+            step[0] = state.step
+
+    cfg = cuda_config(precision="bf16", compile=True, compile_mode="reduce-overhead", max_steps=12, eval_every=0)
+    train(cfg, tmp_path, callbacks=[StepNumber()])
+    assert seen["record_function"] and max(seen["record_function"]) <= 2  # warm-up at step 1, capture at step 2
+    assert {4, 5, 7, 8, 10} <= set(seen["execute_node"])
+    assert not {0, 3, 6, 9, 11} & set(seen["record_function"] + seen["execute_node"])
+
+
 def test_cuda_graphs_keep_divergence_detection(tmp_path):
     cfg = cuda_config(precision="bf16", lr=1e5, compile=True, compile_mode="reduce-overhead", eval_every=0)
     cfg.norm.name, cfg.optim.warmup_steps, cfg.optim.grad_clip = "none", 0, 0.0

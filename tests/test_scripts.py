@@ -95,17 +95,34 @@ def test_bench_inprocess_times_the_three_loops(tmp_path, script_here):
         assert ms > 0 and ratio > 0
 
 
-def test_bench_telemetry_times_the_three_intervals(tmp_path, script_here):
+def test_bench_telemetry_times_the_three_intervals_and_counts_a_telemetry_steps_ops(tmp_path, script_here):
     out = script_here("bench_telemetry.py", "--rounds", "1", "--windows", "1", "--every", "2", "--threads", "1",
-                 "--batch", "2", "--seq", "16", "--isolated", "2", cwd=tmp_path)
+                 "--batch", "2", "--seq", "16", "--isolated", "2", "--processes", "1", "--ops", "--ops-batch", "2",
+                 "--ops-seq", "8", cwd=tmp_path)
     assert "batch 2 x seq 16" in out and "1 rounds x 1 windows of 2 steps" in out
     assert re.search(r"telemetry\s+wall/step\s+overhead\s+cpu/step\s+overhead", out)
     assert row(out, "off", 4)[1] == 0.0  # the baseline's overhead over itself
     for variant in ("every 2 (default)", "every step"):
         wall, _, cpu, _ = row(out, variant, 4)
         assert wall > 0 and cpu > 0
-    isolated = re.search(rf"probe alone, 2 interleaved pairs.*step min ({NUMBER}) ms, watched step min ({NUMBER}) ms", out)
+    isolated = re.search(rf"this tree +process 1: step min ({NUMBER}) ms, watched step min ({NUMBER}) ms", out)
     assert isolated and 0 < float(isolated.group(1)) and 0 < float(isolated.group(2))
+    for shape in ("medium preset (8 blocks x 256, batch 2 x seq 8)", "GPT-2 small's shape (12 blocks x 768, batch 2 x seq 8)"):
+        assert f"aten ops per training step, {shape}" in out
+    plain, watched, added, ratio = row(out, "this tree", 4)
+    assert 0 < plain < watched and added == watched - plain and ratio == pytest.approx(added / plain, abs=1e-3)
+
+
+def test_telemetry_profile_profiles_a_telemetry_step_beside_a_plain_one(tmp_path, script_here):
+    out = script_here("telemetry_profile.py", "--cpu", "--shape", "tiny", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert "step 9 (plain) and step 10 (telemetry), cpu" in out
+    figures = {}
+    for step in ("plain", "telemetry"):
+        line = next(line for line in out.splitlines() if line.startswith(step + " "))
+        figures[step] = [float(n) for n in re.findall(NUMBER, line)]
+    assert 0 < figures["plain"][1] < figures["telemetry"][1]  # aten ops: the telemetry step's statistics
+    report = (tmp_path / "out" / "telemetry-profile-tiny-eager.txt").read_text()
+    assert report.startswith("tiny (model=tiny") and report.strip() in out
 
 
 def test_checkpoint_cost_saves_and_restores_the_tiny_model(tmp_path, script_here):

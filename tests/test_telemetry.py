@@ -231,8 +231,7 @@ def test_norm_parameter_statistics_are_generic():
         block.norm2.running_var.uniform_(0.5, 3.0)
     block.norm1_out = ScalarGainNorm()
     probe = Probe(model, every=1, max_steps=1)
-    with probe.watch():
-        model(torch.randint(0, 256, (2, 16))).sum().backward()
+    probe.forward(torch.randint(0, 256, (2, 16))).sum().backward()
     probe.measure_gradients(torch.amp.GradScaler("cpu", enabled=False))
     probe.before_update()
     stats = probe.collect()
@@ -277,23 +276,19 @@ def test_telemetry_does_not_change_the_trajectory(tmp_path, text_data, norm, pla
     assert losses[0] == losses[1]
 
 
-def test_hooks_live_only_inside_watch():
+def test_collect_sees_only_the_probes_passes():
+    """A forward and backward outside the Probe's forward adds nothing to what collect() returns but the
+    parameters' gradient norms that measure_gradients takes."""
     model = GPT(tiny_config("layer", "pre"))
     probe = Probe(model, every=2, max_steps=10)
-
-    def hooked_modules():
-        return [n for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
-
-    assert hooked_modules() == []
-    with probe.watch():
-        assert "blocks.0" in hooked_modules() and "blocks.1.attn" in hooked_modules()
-        model(torch.randint(0, 256, (2, 16))).sum().backward()
-    assert hooked_modules() == []
-    # A forward and backward outside watch() adds nothing: collect() sees only the watched pass.
-    model(torch.randint(0, 256, (2, 16))).sum().backward()
-    probe.measure_gradients(torch.amp.GradScaler("cpu", enabled=False))
+    idx = torch.randint(0, 256, (2, 16))
+    probe.forward(idx).sum().backward()
     stats = probe.collect()
-    assert "act/resid_rms/L00" in stats
+    assert "act/resid_rms/L00" in stats and "grad/resid_rms/L01" in stats
+    model(idx).sum().backward()
+    probe.measure_gradients(torch.amp.GradScaler("cpu", enabled=False))
+    assert set(probe.collect()) == {"grad/embed_norm", "grad/norm_f_norm", *(f"grad/norm/L0{i}{part}" for i in range(2)
+                                    for part in ("", "/attn", "/mlp", "/norms"))}
     assert probe.collect() == {}
 
 
@@ -446,8 +441,7 @@ def test_importing_the_probe_and_the_loop_does_not_import_matplotlib():
 def _probe_one_step(model: GPT, lr: float = 1e-2) -> dict[str, float]:
     """One watched forward, backward and AdamW step of `model` through a Probe; its statistics."""
     probe = Probe(model, every=1, max_steps=1)
-    with probe.watch():
-        model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))).mean().backward()
+    probe.forward(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))).mean().backward()
     probe.measure_gradients(torch.amp.GradScaler("cpu", enabled=False))
     probe.before_update()
     torch.optim.AdamW(model.parameters(), lr=lr).step()

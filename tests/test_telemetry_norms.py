@@ -32,8 +32,7 @@ def l2(tensors) -> float:
 def probe_one_step(model: GPT, idx: torch.Tensor, lr: float = 1e-2) -> dict[str, float]:
     """One watched forward, backward (loss: the mean logit) and AdamW step of `model`; its statistics."""
     probe = Probe(model, every=1, max_steps=1)
-    with probe.watch():
-        model(idx).mean().backward()
+    probe.forward(idx).mean().backward()
     probe.measure_gradients(torch.amp.GradScaler("cpu", enabled=False))
     probe.before_update()
     torch.optim.AdamW(model.parameters(), lr=lr).step()

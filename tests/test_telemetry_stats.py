@@ -17,16 +17,14 @@ from normlab.nn.model import GPT
 from normlab.train.probe import PROBE_SEQS, Probe
 from normlab.train.probe_stats import (
     attention_stats,
-    block_angle_sum,
     feature_kurtosis,
-    feature_square_sums,
     head_entropy_stats,
     logz_sum,
     max_median_ratios,
-    max_median_sum,
-    token_cos_sum,
+    token_angles,
+    token_cos,
     top_median_ratios,
-    top_median_sum,
+    units,
 )
 from normlab.train.run import train
 from normlab.train.runtime import seed_everything
@@ -97,6 +95,26 @@ def logz_by_hand(logits: np.ndarray) -> list[float]:
 
 def fixed(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def block_angle_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return token_angles(units(x), units(y)).sum()
+
+
+def token_cos_sum(y: torch.Tensor) -> torch.Tensor:
+    return token_cos(units(y)).sum()
+
+
+def feature_square_sums(y: torch.Tensor) -> torch.Tensor:
+    return y.square().reshape(-1, y.size(-1)).sum(0)
+
+
+def max_median_sum(y: torch.Tensor) -> torch.Tensor:
+    return max_median_ratios(y).sum()
+
+
+def top_median_sum(y: torch.Tensor) -> torch.Tensor:
+    return top_median_ratios(y).sum()
 
 
 def test_block_angle_of_known_angles_and_of_a_fixed_tensor():
@@ -186,7 +204,7 @@ def test_massive_activations_reach_sun_et_al_s_threshold_where_the_per_token_mea
     have mean 0 here, so centring them changes nothing."""
     y = torch.tensor([2.0, -2.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0], dtype=torch.float64).repeat(1, 16, 1)  # max 2, median 1
     y[0, 3, :2] = torch.tensor([3000.0, -3000.0])  # the massive activation
-    ratios = max_median_ratios(y)
+    ratios = max_median_ratios(y).flatten()
     assert ratios.tolist() == [2.0] * 3 + [3000.0] + [2.0] * 12
     assert max_median_sum(y).item() / 16 == pytest.approx((15 * 2 + 3000) / 16)  # act/max_median: 189
     assert ratios.amax().item() == 3000.0  # act/max_median_max
@@ -245,34 +263,58 @@ def test_logz_by_hand_and_in_chunks(monkeypatch):
 
 
 def test_attention_statistics_read_a_qk_norm_over_the_whole_projection_and_a_softcap():
-    """A QK-norm over all heads at once (OLMo 2) hands q and k to its hook as (B, T, C); an attention
-    module with a `softcap` has its logits capped as the softmax sees them."""
+    """A QK-norm over all heads at once (OLMo 2, qk_norm_axis=all) shows q and k after it in the heads' layout;
+    an attention module with a `softcap` has its logits capped as the softmax sees them."""
     torch.manual_seed(0)
-    model = GPT(tiny_config("rms", "pre"))
+    model = GPT(tiny_config("rms", "pre", qk_norm=True, qk_norm_axis="all"))
     attn = model.blocks[0].attn
-    attn.q_norm, attn.k_norm = torch.nn.LayerNorm(32), torch.nn.LayerNorm(32)
-
-    def heads(x):
-        B, T, C = x.shape
-        q, k, v = attn.qkv(x).split(C, dim=2)
-        q, k = attn.q_norm(q), attn.k_norm(k)
-        return tuple(t.reshape(B, T, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k, v))
-
-    attn.heads = heads
     x = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
     stats = {}
     for softcap in (None, 0.5):
         attn.softcap = softcap
         probe = Probe(model, every=1, max_steps=1)
-        with probe.watch(), torch.no_grad():
-            model(x)
+        with torch.no_grad():
+            probe.forward(x)
         stats[softcap] = probe.collect()
     with torch.no_grad():
-        q, k, _ = heads(model.blocks[0].norm1(model.tok_emb(x) + model.pos_emb(torch.arange(16))))
+        q, k, _ = attn.heads(model.blocks[0].norm1(model.tok_emb(x) + model.pos_emb(torch.arange(16))))
     assert stats[None]["attn/entropy_min/L00"] == pytest.approx(min(head_entropies_by_hand(q, k)), rel=1e-5)
     raw = stats[None]["attn/logit_max/L00"]  # the cap of 0.5 leaves the largest logit as it is
     assert raw > 0.5 and stats[0.5]["attn/logit_max/L00"] == pytest.approx(raw, rel=1e-6)
     assert stats[0.5]["attn/entropy/L00"] > stats[None]["attn/entropy/L00"]  # capped logits: a flatter softmax
+
+
+def test_statistics_of_stacked_blocks_equal_each_blocks_own():
+    """The Probe stacks the blocks' tensors: every reduction over a leading dimension equals its value per entry."""
+    q, k, y = 3 * fixed(4, 2, 3, 9, 4), 3 * fixed(4, 2, 3, 9, 4, seed=1), fixed(4, 2, 5, 6, seed=2)
+    largest, entropy = attention_stats(q, k, softcap=2.0)
+    for i in range(4):
+        alone = attention_stats(q[i], k[i], softcap=2.0)
+        torch.testing.assert_close(largest[i], alone[0], rtol=1e-6, atol=0)
+        torch.testing.assert_close(entropy[i], alone[1], rtol=1e-6, atol=0)
+        for stacked, one in ((token_angles(units(y[:-1]), units(y[1:]))[min(i, 2)], block_angle_sum(y[min(i, 2)], y[min(i, 2) + 1])),
+                             (token_cos(units(y))[i].sum(), token_cos_sum(y[i])),
+                             (max_median_ratios(y)[i].sum(), max_median_sum(y[i])),
+                             (top_median_ratios(y)[i].sum(), top_median_sum(y[i]))):
+            torch.testing.assert_close(stacked.sum(), one, rtol=1e-6, atol=1e-6)
+
+
+def test_blocks_stacked_in_chunks_give_the_statistics_of_one_stack(monkeypatch):
+    """Where a stack of every block would be too large (GPT-2 small at batch 32 x 1024), the Probe stacks a few
+    blocks at a time: one block a chunk gives every statistic exactly as one chunk of all does."""
+    import normlab.train.probe_sites as probe_sites
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config("rms", "pre", depth=5, qk_norm=True))
+    x = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    stats = []
+    for elements in (probe_sites.STACK_ELEMENTS, 1):
+        monkeypatch.setattr(probe_sites, "STACK_ELEMENTS", elements)
+        probe = Probe(model, every=1, max_steps=1)
+        probe.forward(x).sum().backward()
+        stats.append(probe.collect())
+        model.zero_grad()
+    assert len(stats[0]) > 100 and stats[0] == stats[1]
 
 
 # ---------------------------------------------------------------- the logged values

@@ -13,7 +13,8 @@ the pre slot with s = 1/sqrt(ℓ) in block ℓ (config.PLACEMENT_TRAITS). The re
 final norm (`norm_f`). QK-norm is orthogonal: a norm on queries and keys (`attn.q_norm`,
 `attn.k_norm`). Module names are stable across arms (`blocks.3.norm1`,
 `blocks.3.norm1_out`, `blocks.3.gate1`, `blocks.3.attn`, `blocks.3.mlp`, `norm_f`); an
-unused slot holds `nn.Identity`. The model knows nothing of Hydra, wandb or telemetry.
+unused slot holds `nn.Identity`. The model knows nothing of Hydra, wandb or telemetry: it
+shows its tensors to a tap (normlab.nn.tap) when given one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from normlab.config import NORM_TRAITS, PLACEMENT_TRAITS, RunConfig
 from normlab.config.validate import AUTO_FINAL_NORM, tokenizer_vocab
 from normlab.nn.norms import build_norm
 from normlab.nn.sublayers import MLP, CausalSelfAttention
+from normlab.nn.tap import Tap, tapped
 
 
 @dataclass(frozen=True)
@@ -171,27 +173,38 @@ class Block(nn.Module):
         self.gate2 = build_gate(cfg)
         self.gated = cfg.residual_gate != "none"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tap: Tap | None = None) -> torch.Tensor:
         """Per sublayer f (attention, then MLP), with unfilled slots the identity:
 
         x ──┬─► [norm, pre slot] × s ─► f ─► [norm_out, branch slot] ─► gate ─► (+) ─► [norm, post slot] ─► x'
             └─────────────────────────────── α · x ─────────────────────────────┘
+
+        `tap` (normlab.nn.tap) sees the stream in and out, the filled norm slots and the sublayers' outputs.
         """
-        x = self._sublayer(x, self.norm1, self.attn, self.norm1_out, self.gate1)
-        return self._sublayer(x, self.norm2, self.mlp, self.norm2_out, self.gate2)
+        if tap is not None:
+            x = tap("in", x)
+        x = self._sublayer(x, self.norm1, self.attn, self.norm1_out, self.gate1, tap, "1")
+        x = self._sublayer(x, self.norm2, self.mlp, self.norm2_out, self.gate2, tap, "2")
+        return x if tap is None else tap("out", x)
 
     def _sublayer(self, x: torch.Tensor, norm: nn.Module, f: nn.Module, norm_out: nn.Module,
-                  gate: nn.Module) -> torch.Tensor:
-        h = norm_out(f(self._pre(norm, x)))
+                  gate: nn.Module, tap: Tap | None = None, n: str = "1") -> torch.Tensor:
+        if tap is None:
+            h = norm_out(f(self._pre(norm, x)))
+        else:  # the same computation, shown to the tap; slot names as the module's (norm1, attn, norm1_out)
+            h = f(self._pre(norm, x, tap, f"norm{n}"), tap)
+            h = tapped(norm_out, f"norm{n}_out", tap(f"{'attn' if n == '1' else 'mlp'}.out", h), tap)
         if self.gated:  # an identity gate is not called: the default block's step costs what it did
             h = gate(h)
         x = x + h if self.slots.alpha == 1.0 else self.slots.alpha * x + h
-        return norm(x) if self.slots.post else x
+        if not self.slots.post:
+            return x
+        return norm(x) if tap is None else tapped(norm, f"norm{n}", x, tap)
 
-    def _pre(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _pre(self, norm: nn.Module, x: torch.Tensor, tap: Tap | None = None, name: str = "") -> torch.Tensor:
         if not self.slots.pre:
             return x
-        y = norm(x)
+        y = norm(x) if tap is None else tapped(norm, name, x, tap)
         return y if self.slots.pre_scale == 1.0 else y * self.slots.pre_scale
 
 
@@ -218,19 +231,25 @@ class GPT(nn.Module):
         beta = deepnorm_beta(cfg.depth) if PLACEMENT_TRAITS[cfg.placement].deepnorm else 1.0
         init_weights(self, cfg.init, cfg.depth, beta)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits of shape (B, T, vocab) for token ids `idx` of shape (B, T)."""
+    def forward(self, idx: torch.Tensor, tap: Tap | None = None) -> torch.Tensor:
+        """Logits of shape (B, T, vocab) for token ids `idx` of shape (B, T); `tap` (normlab.nn.tap) sees
+        the embedding, every block's tensors, the final norm and the logits."""
         T = idx.shape[1]
         if T > self.context:
             raise ValueError(f"sequence of length {T} exceeds the model's context {self.context}")
         pos = torch.arange(T, device=idx.device)
         tok = self.tok_emb(idx)
         x = (tok if self.embed_scale == 1.0 else tok * self.embed_scale) + self.pos_emb(pos)
-        if not isinstance(self.norm_embed, nn.Identity):
-            x = self.norm_embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm_f(x))
+        if tap is None:
+            if not isinstance(self.norm_embed, nn.Identity):
+                x = self.norm_embed(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm_f(x))
+        x = tapped(self.norm_embed, "norm_embed", tap("embed", x), tap)
+        for i, block in enumerate(self.blocks):
+            x = block(x, tap.block(i))
+        return tap("logits", self.head(tapped(self.norm_f, "norm_f", x, tap)))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -57,9 +57,9 @@ class PackedModel:
         self.buffers: dict[str, torch.Tensor] = buffers
         self._stepper = _AdvanceStatistics(self.template)  # built once: advance runs every step
 
-    def _member_logits(self, params, buffers, idx: torch.Tensor) -> torch.Tensor:
+    def _member_logits(self, params, buffers, idx: torch.Tensor, tap=None) -> torch.Tensor:
         with attention_kernels(idx.device):
-            return functional_call(self.template, (params, buffers), (idx,))
+            return functional_call(self.template, (params, buffers), (idx,), {} if tap is None else {"tap": tap})
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """(M, B, T, vocab) logits for token ids of shape (M, B, T): member m reads idx[m]."""
@@ -71,7 +71,8 @@ class PackedModel:
 
         `watcher` (telemetry, normlab.train.pack.telemetry.PackedProbe) sees inside the batched call: `taps(x)`
         gives tensors (M, ...) passed in per member, `begin(taps)` runs before each member's forward and
-        `end()` after it, returning per-member tensors that `absorb` receives, stacked, after the call."""
+        returns the tap (normlab.nn.tap) the forward runs with, or None, and `end()` runs after it, returning
+        per-member tensors that `absorb` receives, stacked, after the call."""
         data_dims = None if shared else 0
         if watcher is None:
             def member(params, buffers, xm, ym):
@@ -80,8 +81,8 @@ class PackedModel:
             return vmap(member, in_dims=(0, 0, data_dims, data_dims))(self.params, self.buffers, x, y)
 
         def watched(params, buffers, xm, ym, taps):
-            watcher.begin(taps)
-            loss = loss_fn(self._member_logits(params, buffers, xm), ym)
+            tap = watcher.begin(taps)
+            loss = loss_fn(self._member_logits(params, buffers, xm, tap), ym)
             return loss, watcher.end()
 
         taps = watcher.taps(self.size, x)

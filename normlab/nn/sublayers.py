@@ -10,6 +10,7 @@ from torch import nn
 
 from normlab.config import GAIN_PARAMS, RunConfig
 from normlab.nn.norms import build_norm
+from normlab.nn.tap import Tap, tapped
 
 
 class CausalSelfAttention(nn.Module):
@@ -33,18 +34,21 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = build_qk_norm(cfg)
         self.softcap = cfg.attn_softcap
 
-    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values of shape (B, n_head, T, head_dim), after any QK-norm."""
+    def heads(self, x: torch.Tensor, tap: Tap | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of shape (B, n_head, T, head_dim), after any QK-norm (shown to `tap`)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         if self.q_bias is not None:
             q = q + self.q_bias
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        return self.q_norm(q), self.k_norm(k), v
+        if tap is None:
+            return self.q_norm(q), self.k_norm(k), v
+        q = tap("attn.q", tapped(self.q_norm, "attn.q_norm", q, tap))
+        return q, tap("attn.k", tapped(self.k_norm, "attn.k_norm", k, tap)), v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tap: Tap | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.heads(x)
+        q, k, v = self.heads(x, tap)
         if self.softcap is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -104,5 +108,6 @@ class MLP(nn.Module):
         self.act = nn.GELU()
         self.proj = nn.Linear(ratio * d_model, d_model, bias=bias and not shift_free)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tap: Tap | None = None) -> torch.Tensor:
+        """`tap`: shown nothing inside the MLP (its output is the block's site mlp.out)."""
         return self.proj(self.act(self.fc(x)))

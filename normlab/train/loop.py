@@ -6,8 +6,8 @@ updates: the training loss and gradient of batch s, and val_loss when evaluated.
 So step 0 is initialization, and the final evaluation is logged at step max_steps.
 Telemetry steps (0, every telemetry.every steps, max_steps - 1) are always logged steps.
 
-Speed: with `compile=true` the other training steps run a torch.compile'd module, while
-watched (telemetry) steps and evaluation run the eager one (hooks attach to eager modules);
+Speed: with `compile=true` the training steps run a torch.compile'd module (telemetry steps run the
+Probe's forward, compiled too), while evaluation runs the eager one;
 `compile_mode=reduce-overhead` also captures the compiled steps in CUDA graphs (runtime.compile_model). The
 host reads device values (`.item()`) on logged steps only, and each batch is drawn, pinned and copied
 (non-blocking) while the previous step may still run on the device.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +100,7 @@ def accumulate_gradients(
     precision: str,
     z_loss: float = 0.0,
     terms: dict[str, torch.Tensor] | None = None,
+    forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Forward and backward the batch as `grad_accum` equal micro-batches; return the batch's mean loss
     (the cross-entropy).
@@ -108,14 +109,14 @@ def accumulate_gradients(
     the full-batch gradient (times the GradScaler's scale under fp16). Under DDP the
     gradients are all-reduced on the last micro-batch only: the others run, forward
     and backward, inside `no_sync`. With `z_loss` > 0 the objective adds z_loss_term, and its batch
-    mean goes into `terms['z_loss']`.
+    mean goes into `terms['z_loss']`. `forward` (telemetry's) runs the micro-batches in place of `model`.
     """
     total = torch.zeros((), device=device)
     z_total = torch.zeros((), device=device)
     for i, (xm, ym) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum))):
         with distributed.grad_sync(model, last=i == grad_accum - 1):
             with autocast(device, precision):
-                logits = model(xm)
+                logits = (forward or model)(xm)
                 loss = loss_fn(logits, ym)
                 z = z_loss_term(logits, z_loss) if z_loss else None
             scaler.scale((loss if z is None else loss + z) / grad_accum).backward()
@@ -173,14 +174,14 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
                 emit(sinks, record)
                 break
 
-            state.lr, state.watched = lr_at(step, cfg), False
+            state.lr, state.watched, state.forward = lr_at(step, cfg), False, None
             _call(callbacks, "on_step_start", state)
             x, y = next_batch()
             for group in state.optimizer.param_groups:
                 group["lr"] = state.lr
             model, terms = (eager if state.watched else fast), {}
             state.loss = distributed.mean(accumulate_gradients(model, x, y, cfg.grad_accum, state.scaler, device, precision,
-                                                               cfg.z_loss, terms))
+                                                               cfg.z_loss, terms, state.forward))
             state.scaler.unscale_(state.optimizer)
             _call(callbacks, "after_backward", state)
             state.grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm)

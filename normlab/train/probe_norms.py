@@ -2,14 +2,15 @@
 
 A norm slot is named by its location: 'L03/norm1', 'L03/norm1_out', 'L03/q_norm' (QK-norm, one module
 shared by the heads), 'norm_f' (before the head), 'norm_embed' (embed_norm=true's, on token + position
-embedding). Its parameter statistics are taken on tensors stacked along a leading
-member dimension, (M, *shape), so that an unpacked model (M = 1) and a packed one (normlab.train.pack)
+embedding). Its parameter statistics are taken on the norms' tensors of one kind and shape stacked, with a
+member dimension, (norms, M, *shape), so that an unpacked model (M = 1) and a packed one (normlab.train.pack)
 share one computation.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -46,24 +47,47 @@ def norm_modules(model: nn.Module, labels: list[str]) -> dict[str, nn.Module]:
     return norms
 
 
+@dataclass(frozen=True)
+class NormParams:
+    """Norm tensors whose statistics are logged, of one kind and one shape, so that they stack: `kind` is gain
+    (a GAIN_PARAMS parameter: mean and population std), alpha (DyT's and Derf's α), shift (Derf's s) or
+    running_var (BatchNorm's buffer: its mean); `names` are the tensors' names in the model, `locs` their norms'."""
+
+    kind: str
+    locs: tuple[str, ...]
+    names: tuple[str, ...]
+
+
+def norm_parameter_groups(model: nn.Module, norms: Mapping[str, nn.Module]) -> list[NormParams]:
+    """The logged tensors of the norms `norms` (by location) of `model`, grouped by kind and shape."""
+    owner = {id(m): name for name, m in model.named_modules()}
+    groups: dict[tuple, tuple[list[str], list[str]]] = {}
+
+    def add(kind: str, loc: str, name: str, tensor: torch.Tensor) -> None:
+        locs, names = groups.setdefault((kind, tuple(tensor.shape)), ([], []))
+        locs.append(loc)
+        names.append(f"{owner[id(norms[loc])]}.{name}")
+
+    for loc, norm in norms.items():
+        for name, param in norm.named_parameters(recurse=False):
+            kind = "gain" if name in GAIN_PARAMS else "alpha" if name == ALPHA_PARAM else "shift" if name == SHIFT_PARAM else None
+            if kind is not None:
+                add(kind, loc, name, param)
+        if isinstance(getattr(norm, "running_var", None), torch.Tensor):
+            add("running_var", loc, "running_var", norm.running_var)
+    return [NormParams(kind, tuple(locs), tuple(names)) for (kind, _), (locs, names) in groups.items()]
+
+
 @torch.no_grad()
-def norm_parameter_stats(loc: str, params: Iterable[tuple[str, torch.Tensor]],
-                         running_var: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """The statistics of the norm at `loc`: from its parameters `params` ((name, tensor (M, *shape))), the
-    gain's mean and population std, α and the shift s; from its `running_var` (M, *shape) the mean. Each value has shape (M,)."""
-    stats = {}
-    for name, stacked in params:
-        values = stacked.detach().float().reshape(stacked.shape[0], -1)  # not flatten(1): a scalar stacks to (M,)
-        if name in GAIN_PARAMS:
-            stats[f"norm/gain_mean/{loc}"] = values.mean(1)
-            stats[f"norm/gain_std/{loc}"] = values.std(1, correction=0)
-        elif name == ALPHA_PARAM:
-            stats[f"norm/alpha/{loc}"] = values.mean(1)
-        elif name == SHIFT_PARAM:
-            stats[f"norm/shift/{loc}"] = values.mean(1)
-    if running_var is not None:
-        stats[f"norm/running_var/{loc}"] = running_var.float().flatten(1).mean(1)
-    return stats
+def norm_parameter_stats(group: NormParams, stacked: torch.Tensor) -> tuple[tuple[str, ...], torch.Tensor]:
+    """The keys of `group`'s statistics and their values, (len(keys), M), from its tensors stacked as
+    (len(group.locs), M, *shape) (M: the members of a pack, 1 for one model): a gain's mean and population
+    std, α's and s's value (their mean), the running variance's mean over features."""
+    values = stacked.float().reshape(*stacked.shape[:2], -1)
+    if group.kind == "gain":
+        keys = (*(f"norm/gain_mean/{loc}" for loc in group.locs), *(f"norm/gain_std/{loc}" for loc in group.locs))
+        return keys, torch.cat([values.mean(-1), values.std(-1, correction=0)])
+    return tuple(f"norm/{group.kind}/{loc}" for loc in group.locs), values.mean(-1)
 
 
 # norm/eps_ratio/<loc>: the norm's input RMS over the RMS below which its ε dominates (Norm.eps_rms).

@@ -1,8 +1,10 @@
-"""The reductions the telemetry Probe applies to the tensors it hooks: each takes activations (or parameters) and
-returns a few device scalars, so that a step's statistics reach the host in one transfer.
+"""The reductions the telemetry Probe applies to the tensors it sees: per token, per sequence or per head, over
+the trailing dimensions, so that one call covers a stack of many blocks' tensors (a leading dimension), and the
+Probe sums them over the step's batch.
 
 They are plain functions of tensors, so each can be checked against a hand computation, and every one works
-unchanged under torch.func.vmap (a packed model's hooks see one member's tensors at a time).
+unchanged under torch.func.vmap (a packed model's forward sees one member's tensors at a time). They run under
+torch.no_grad() (the Probe's forward statistics): none detaches.
 """
 
 from __future__ import annotations
@@ -13,58 +15,26 @@ import torch
 import torch.nn.functional as F
 
 
-def attention_stats(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The largest attention logit q·k/sqrt(head_dim) over causal (query, key) pairs, and per head the entropy
-    (nats) of the attention distribution averaged over queries and summed over the B sequences.
-
-    The largest logit is taken before any cap: under `softcap` c (Gemma 2) the softmax sees
-    c·tanh(logit/c), whose maximum is c·tanh(max/c) (tanh is increasing), bounded by c whatever the logits'
-    growth; the entropy is that of the distribution the softmax gives, after the cap. `q`, `k`:
-    (B, n_head, T, head_dim), as `CausalSelfAttention.heads` returns them. Returns a scalar and an (n_head,)
-    vector: sums over sequences, so that calls on consecutive chunks of a batch add up.
-    """
-    q, k = q.float(), k.float()
-    T = q.size(-2)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))).masked_fill(future, -math.inf)
-    largest = scores.amax()
-    if softcap:
-        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(future, -math.inf)  # tanh(-inf) is -1
-    p = torch.softmax(scores, dim=-1)
-    entropy = -torch.special.xlogy(p, p).sum(-1)  # xlogy(0, 0) = 0 for the masked keys
-    return largest, entropy.mean(-1).sum(0)
+def units(x: torch.Tensor) -> torch.Tensor:
+    """Each token's vector over its norm, x/|x| along the last dimension, in float32."""
+    return F.normalize(x.float(), dim=-1)
 
 
-def head_entropy_stats(head_sums: list[float], sequences: int) -> tuple[float, float]:
-    """The mean over heads and the smallest over heads of each head's entropy, from `attention_stats`'s
-    sums over `sequences` sequences."""
-    per_head = [s / sequences for s in head_sums]
-    return sum(per_head) / len(per_head), min(per_head)
-
-
-def block_angle_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The sum over tokens of the angle, in degrees, between a token's vector in `x` and in `y` (..., d):
-    arccos(x·y / (|x| |y|)), computed as 2·atan2(|x̂ − ŷ|, |x̂ + ŷ|) (x̂ = x/|x|), which stays accurate
-    for the small angles of blocks near the identity, where arccos of a rounded cosine does not."""
-    u = F.normalize(x.detach().float(), dim=-1)
-    v = F.normalize(y.detach().float(), dim=-1)
+def token_angles(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The angle in degrees between a token's unit vector in `u` and in `v` (..., d), one per token (...):
+    arccos(u·v), computed as 2·atan2(|u − v|, |u + v|), which stays accurate for the small angles of blocks
+    near the identity, where arccos of a rounded cosine does not."""
     angle = 2 * torch.atan2(torch.linalg.vector_norm(u - v, dim=-1), torch.linalg.vector_norm(u + v, dim=-1))
-    return torch.rad2deg(angle).sum()
+    return torch.rad2deg(angle)
 
 
-def token_cos_sum(y: torch.Tensor) -> torch.Tensor:
-    """The sum over sequences of the mean cosine similarity between the vectors of two different tokens of
-    the sequence: for `y` (B, T, d), Σ_b 1/(T(T−1)) Σ_{i≠j} ŷ_bi·ŷ_bj, with Σ_{i≠j} ŷ_i·ŷ_j = |Σ_i ŷ_i|² − Σ_i |ŷ_i|²."""
-    u = F.normalize(y.detach().float(), dim=-1)
+def token_cos(u: torch.Tensor) -> torch.Tensor:
+    """Per sequence of unit vectors `u` (..., T, d), T > 1, the mean cosine similarity between the vectors of two
+    different tokens: 1/(T(T−1)) Σ_{i≠j} u_i·u_j, with Σ_{i≠j} u_i·u_j = |Σ_i u_i|² − Σ_i |u_i|². Shape (...)."""
     T = u.size(-2)
-    pairs = u.sum(-2).square().sum(-1) - u.square().sum((-2, -1))
-    return (pairs / (T * (T - 1))).sum()
-
-
-def feature_square_sums(y: torch.Tensor) -> torch.Tensor:
-    """The sum over tokens of each feature's square, (d,), for `y` (..., d): `feature_kurtosis`'s input."""
-    y = y.detach().float()
-    return y.square().reshape(-1, y.size(-1)).sum(0)
+    # Σ_i |u_i|² as a norm: no tensor of u's size is made (T up to rounding, 0 for a token of norm 0).
+    pairs = u.sum(-2).square().sum(-1) - torch.linalg.vector_norm(u, dim=(-2, -1)).square()
+    return pairs / (T * (T - 1))
 
 
 def feature_kurtosis(square_sums: list[float]) -> float:
@@ -93,30 +63,49 @@ def sorted_lower_median(a: torch.Tensor) -> torch.Tensor:
 
 
 def max_median_ratios(y: torch.Tensor) -> torch.Tensor:
-    """Each token's max_j |c_tj| / median_j |c_tj|, c_tj = y_tj − mean_j y_tj (the token centred over its d
-    features), for `y` (..., d): a vector with one entry per token. As He et al.'s code takes it: centred, and
-    torch's median (for an even d the lower of the two middle values)."""
-    a = y.detach().float().reshape(-1, y.size(-1))
-    a = (a - a.mean(-1, keepdim=True)).abs()
-    return a.amax(-1) / lower_median(a)
-
-
-def max_median_sum(y: torch.Tensor) -> torch.Tensor:
-    """The sum over tokens of `max_median_ratios`."""
-    return max_median_ratios(y).sum()
+    """Each token's max_j |c_j| / median_j |c_j|, c_j = y_j − mean_j y_j (the token centred over its d features),
+    for `y` (..., d): one entry per token (...). As He et al.'s code takes it: centred, and torch's median (for
+    an even d the lower of the two middle values)."""
+    y = y.float()
+    magnitudes = (y - y.mean(-1, keepdim=True)).abs_()  # in place: a fresh tensor
+    return magnitudes.amax(-1) / lower_median(magnitudes)
 
 
 def top_median_ratios(y: torch.Tensor) -> torch.Tensor:
-    """Massive activations as Sun et al. (2024) measure them, one ratio per sequence of `y` (B, T, d): the
+    """Massive activations as Sun et al. (2024) measure them, for `y` (..., T, d): per sequence, the
     largest |y| over its tokens and features / the median |y| over the same T·d values (torch's lower median).
-    Their mean over the sequences is act/top_median, their largest act/top_median_max."""
-    a = y.detach().float().abs().reshape(y.size(0), -1)
-    return a.amax(-1) / lower_median(a)
+    Shape (...): their mean over the sequences is act/top_median, their largest act/top_median_max."""
+    flat = y.float().abs().flatten(-2)
+    return flat.amax(-1) / lower_median(flat)
 
 
-def top_median_sum(y: torch.Tensor) -> torch.Tensor:
-    """The sum over sequences of `top_median_ratios`."""
-    return top_median_ratios(y).sum()
+def attention_stats(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest attention logit q·k/sqrt(head_dim) over causal (query, key) pairs, and per head the entropy
+    (nats) of the attention distribution averaged over queries and summed over the B sequences.
+
+    The largest logit is taken before any cap: under `softcap` c (Gemma 2) the softmax sees
+    c·tanh(logit/c), whose maximum is c·tanh(max/c) (tanh is increasing), bounded by c whatever the logits'
+    growth; the entropy is that of the distribution the softmax gives, after the cap. `q`, `k`:
+    (..., B, n_head, T, head_dim), as `CausalSelfAttention.heads` returns them (with any leading dimensions).
+    Returns (...) and (..., n_head): sums over sequences, so that calls on consecutive chunks of a batch add up.
+    """
+    q, k = q.float(), k.float()
+    T = q.size(-2)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))).masked_fill_(future, -math.inf)  # in place: a fresh tensor
+    largest = scores.flatten(-4).amax(-1)
+    if softcap:
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill_(future, -math.inf)  # tanh(-inf) is -1
+    p = torch.softmax(scores, dim=-1)
+    entropy = -torch.special.xlogy(p, p).sum(-1)  # xlogy(0, 0) = 0 for the masked keys
+    return largest, entropy.mean(-1).sum(-2)
+
+
+def head_entropy_stats(head_sums: list[float], sequences: int) -> tuple[float, float]:
+    """The mean over heads and the smallest over heads of each head's entropy, from `attention_stats`'s
+    sums over `sequences` sequences."""
+    per_head = [s / sequences for s in head_sums]
+    return sum(per_head) / len(per_head), min(per_head)
 
 
 # Logits are reduced in chunks of at most this many elements, so that log Z adds little to a telemetry
@@ -127,29 +116,29 @@ LOGZ_CHUNK = 1 << 22
 def logz_sum(logits: torch.Tensor) -> torch.Tensor:
     """The sum over tokens of log Z = logsumexp_v(logit_v), the log of the softmax's partition function,
     for `logits` (..., vocab), in float32."""
-    rows = logits.detach().reshape(-1, logits.size(-1))
+    rows = logits.reshape(-1, logits.size(-1))
     step = max(1, LOGZ_CHUNK // rows.size(-1))
     return sum(torch.logsumexp(chunk.float(), dim=-1).sum() for chunk in rows.split(step))
 
 
-def l2(x: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of all of `x`, in float32."""
-    return torch.linalg.vector_norm(x.detach(), dtype=torch.float32)
+def max_abs(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """max |x| over the dimensions `dims` of `x`, in float32."""
+    # Not vector_norm(ord=inf): on the CPU it is ~20x slower than a max and a min.
+    return torch.maximum(x.amax(dims), -x.amin(dims)).float()
 
 
 def l2_norms(tensors: list[torch.Tensor | None]) -> torch.Tensor:
     """The L2 norm of each tensor (None: 0) as one float32 vector, computed by fused multi-tensor
-    reductions (torch._foreach_norm): a few kernels for all the parameters instead of one or more each."""
-    present = [t.detach() for t in tensors if t is not None]
+    reductions (torch._foreach_norm, one per dtype): a few kernels for all of them instead of one or more each.
+    Under torch.no_grad(): nothing is detached."""
+    present = [t for t in tensors if t is not None]
     if not present:
         return torch.zeros(len(tensors))
-    norms = iter(torch._foreach_norm(present))
-    zero = torch.zeros((), dtype=present[0].dtype, device=present[0].device)
-    return torch.stack([zero if t is None else next(norms) for t in tensors]).float()
-
-
-def max_abs(x: torch.Tensor) -> torch.Tensor:
-    """max |x| over all of `x`, in float32."""
-    # Not vector_norm(ord=inf): on the CPU it is ~20x slower than a max and a min.
-    x = x.detach()
-    return torch.maximum(x.amax(), -x.amin()).float()
+    norms: dict[int, torch.Tensor] = {}
+    for dtype in dict.fromkeys(t.dtype for t in present):  # the fused kernels take one dtype at a time
+        indices = [i for i, t in enumerate(tensors) if t is not None and t.dtype == dtype]
+        norms.update(zip(indices, torch._foreach_norm([tensors[i] for i in indices], 2, dtype=torch.float32)))
+    if len(norms) == len(tensors):
+        return torch.stack([norms[i] for i in range(len(tensors))])
+    zero = torch.zeros((), device=present[0].device)
+    return torch.stack([norms.get(i, zero) for i in range(len(tensors))])

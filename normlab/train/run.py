@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
+from torch import nn
 
 import normlab.train.distributed as distributed
 import normlab.train.preempt as preempt
@@ -234,10 +235,11 @@ def build_state(cfg: RunConfig, device: torch.device, precision: str) -> TrainSt
 
 
 def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], checkpointer: Checkpointer,
-                       device: torch.device, extra: Sequence[Callback] = (), run_dir: RunDir | None = None
-                       ) -> list[Callback]:
+                       device: torch.device, extra: Sequence[Callback] = (), run_dir: RunDir | None = None,
+                       net: nn.Module | None = None) -> list[Callback]:
     """The loop's callbacks in hook order, `extra` ones before checkpointing (which saves them all); given the
     `run_dir` the run writes, first of all its watch (RunDirWatch), so no callback writes into a vanished dir.
+    `net`: what telemetry steps run (the DDP wrapper under torchrun; by default the model).
 
     The guard comes first (it stops a diverged step before anything measures it), then telemetry, then
     the clock (whose step time so includes telemetry's cost), then what reads the finished record.
@@ -246,7 +248,7 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
     callbacks += [
         DivergenceGuard(cfg.diverge_factor, device),
         BatchNormSteps(state.model, cfg),  # before telemetry, which reads the step's running statistics
-        Telemetry(Probe(state.model, cfg.telemetry.every, cfg.max_steps)),
+        Telemetry(Probe(state.model, cfg.telemetry.every, cfg.max_steps, net, compiled=cfg.compile)),
         ThroughputClock(cfg.batch_size * cfg.seq_len, compile_steps(cfg, device), model_flops_per_token(cfg),
                         peak_flops(device, resolve_precision(cfg.precision, device), cfg.tf32), device),
         TelemetryProducts(sinks),
@@ -274,9 +276,10 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkp
         state = build_state(cfg, device, precision)
         state.phases = phases
         net = distributed.wrap(state.model, device, sync_batchnorm=cfg.norm.sync)  # the model itself for one process
-        # Watched steps and evaluation run eager `net`/`model`; checkpoints hold `model`, so no `_orig_mod.` keys.
+        # Evaluation runs eager `net`/`model` (telemetry steps the Probe's forward of `net`, compiled under
+        # compile=true); checkpoints hold `model`, so no `_orig_mod.` keys.
         fast = compile_model(net, cfg.compile_mode, device) if cfg.compile else net
-        callbacks = standard_callbacks(cfg, state, sinks, checkpointer, device, extra, run_dir)
+        callbacks = standard_callbacks(cfg, state, sinks, checkpointer, device, extra, run_dir, net)
         if resumed is not None:
             resumed.restore(state, callbacks)
         for callback in callbacks:

@@ -1,6 +1,6 @@
 """TrainState: everything the training loop carries from one step to the next, checkpointed as a whole.
 
-The loop owns it and changes it; callbacks read it (and set `watched`). A checkpoint holds its
+The loop owns it and changes it; callbacks read it (and set `watched` and `forward`). A checkpoint holds its
 `state_dict()` beside each callback's own state: model, optimizer, GradScaler, the data sampler
 (the training-batch generator, whose state decides the next batches), the step and the loop's
 counters. The learning-rate schedule is a pure function of the step, so the step is its position.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -43,7 +43,9 @@ class TrainState:
     lr: float = math.nan
     loss: torch.Tensor | None = None  # the batch's mean training loss, on the device
     grad_norm: torch.Tensor | None = None  # the total gradient norm before clipping, on the device
-    watched: bool = False  # a callback watches this step: it runs the eager model and its record is logged
+    watched: bool = False  # a callback watches this step: its record is logged, and it runs the eager model
+    # unless `forward` is set: a callback's forward (telemetry's probe) that runs the micro-batches instead
+    forward: Callable[[torch.Tensor], torch.Tensor] | None = None
     phases: Phases = field(default_factory=Phases)  # this process's seconds by phase (summary.json's phases)
 
     def state_dict(self) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
@@ -13,16 +12,15 @@ from normlab.train.state import TrainState
 
 
 class Telemetry(Callback):
-    """Runs the Probe on its steps: hooks around forward and backward, gradient and weight statistics,
-    and the step's statistics added to its record (one host transfer). Telemetry steps are watched:
-    they run the eager model (hooks attach to eager modules) and are always logged. A norm slot found
+    """Runs the Probe on its steps: the step's micro-batches through the Probe's forward (the model with a
+    tap; compiled under compile=true), gradient and weight statistics, and the step's statistics added to
+    its record (one host transfer). Telemetry steps are watched, so always logged. A norm slot found
     eps-dominated is named in one warning line of the run's log, once per run."""
 
     name = "telemetry"
 
     def __init__(self, probe: Probe):
         self.probe = probe
-        self._watching: contextlib.ExitStack | None = None
         self._active = False
         self._eps_warnings = EpsWarnings()
 
@@ -30,13 +28,9 @@ class Telemetry(Callback):
         self._active = self.probe.active(state.step)
         if self._active:
             state.watched = True
-            self._watching = contextlib.ExitStack()
-            self._watching.enter_context(self.probe.watch())
+            state.forward = self.probe.forward
 
     def after_backward(self, state: TrainState) -> None:
-        if self._watching is not None:
-            self._watching.close()  # the hooks live for the forward and backward passes only
-            self._watching = None
         if self._active:
             self.probe.measure_gradients(state.scaler)  # the accumulated, un-scaled gradient, before clipping
 

@@ -16,9 +16,10 @@ class ThroughputClock(Callback):
 
     The record's tokens_per_s is over the steps since the last logged one, whatever they cost. The
     summary's tokens_per_s is the steady rate: the process's first step (lazy initialization, on CUDA
-    the kernels' first launches) and the first `compile_steps` steps that run the compiled model
-    (compilation; under CUDA graphs also the graphs' warm-up and capture) are left out; their time is
-    compile_time_s (with compile=true), and train_time_s counts every step. The summary also gets
+    the kernels' first launches), the first `compile_steps` steps that run the compiled model
+    (compilation; under CUDA graphs also the graphs' warm-up and capture) and, with compile=true, the first
+    telemetry step (its compiled graph's compilation) are left out; their time is compile_time_s (with
+    compile=true), and train_time_s counts every step. The summary also gets
     flops_per_token, where the device's peak is known mfu (against it), and on CUDA the peak memory
     the run allocated (peak_memory_gib).
     """
@@ -31,7 +32,7 @@ class ThroughputClock(Callback):
         self.flops_per_token, self.peak_flops, self.device = flops_per_token, peak_flops, device
         self.train_time, self.window_tokens, self.window_time = 0.0, 0, 0.0
         self.steady_time, self.steady_tokens, self.compile_time = 0.0, 0, 0.0
-        self._compiled_seen, self._warm = 0, False
+        self._compiled_seen, self._watched_seen, self._warm = 0, 0, False
         self._t0 = 0.0
 
     def on_train_start(self, state: TrainState) -> None:
@@ -43,8 +44,12 @@ class ThroughputClock(Callback):
 
     def after_optimizer_step(self, state: TrainState, record: dict[str, Any] | None) -> None:
         elapsed = time.perf_counter() - self._t0
-        compiling = not state.watched and self._compiled_seen < self.compile_steps
-        self._compiled_seen += compiling
+        if state.watched:  # a telemetry step: its own compiled graph, compiled at the first one
+            compiling = self._watched_seen < min(1, self.compile_steps)
+            self._watched_seen += compiling
+        else:
+            compiling = self._compiled_seen < self.compile_steps
+            self._compiled_seen += compiling
         if compiling:
             self.compile_time += elapsed
         elif self._warm:

@@ -74,7 +74,7 @@ def train_job(cfg: DictConfig) -> float:
         return ended
     try:
         with preempt.watch() as previous_handlers:
-            summary = train(run_cfg, output_dir)
+            summary = train(run_cfg, output_dir, defer_end=multirun)  # a sweep's next job starts at once
     except RunDirBusy as err:
         return _stop(err) if not multirun else _job_failed(hc, run_cfg, err, recorded=True)
     except (DataError, CheckpointError, ConfigError, WandbUnavailable) as err:  # bad input, like a bad config value: one line, not a traceback

@@ -146,3 +146,9 @@ def test_a_sweeps_summaries_products_and_wandb_runs_are_complete_when_it_returns
         assert {"telemetry/layers", "telemetry/resid_rms"} <= products  # they reached wandb before its finish
     assert "products" in result.stdout + result.stderr  # the closing table's phases line counts the ends
 
+
+def test_the_command_leaves_what_is_alive_at_exit_to_the_process_end():
+    code = ("import atexit, gc; from normlab.cli import main; main(['--version']); gc.unfreeze(); "
+            "atexit._run_exitfuncs(); print(gc.get_freeze_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[-1]) > 0

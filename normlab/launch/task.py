@@ -174,18 +174,17 @@ def settle_garbage() -> None:
     by the collections nor at the process's exit. Frozen twice, not at every job, so what a job leaves is still
     collected and the frozen set does not grow with the sweep; normlab's launcher unfreezes it when the sweep
     ends."""
-    global _frozen_before_first_job
+    global _jobs_since_frozen
     gc.collect()
-    if not gc.get_freeze_count():
+    if not gc.get_freeze_count():  # this process's first sweep, or one after the launcher unfroze
+        _jobs_since_frozen = 0
+    if _jobs_since_frozen < 2:  # the first job, and the second: the first one's imports too
         gc.freeze()
-        _frozen_before_first_job = gc.get_freeze_count()
-    elif gc.get_freeze_count() == _frozen_before_first_job:  # the second job: the first one's imports too
-        gc.freeze()
-        _frozen_before_first_job = None
+    _jobs_since_frozen += 1
 
 
-# The freeze count settle_garbage left before this process's first job of a sweep, until its second.
-_frozen_before_first_job: int | None = None
+# The jobs settle_garbage saw since nothing was frozen.
+_jobs_since_frozen = 0
 
 
 def sweep_group(hc) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 import sys
 import threading
 import time
@@ -23,8 +22,6 @@ from typing import Any, Callable, Sequence
 
 from normlab.train.phases import Phases
 from normlab.train.sinks import RunDir, Sink, finish_all
-
-log = logging.getLogger("normlab")
 
 _lock = threading.Lock()
 _pending: collections.deque[Callable[[], None]] = collections.deque()
@@ -115,10 +112,9 @@ def hand_over(run_dir: RunDir, summary: dict[str, Any], sinks: list[Sink], phase
                     run_dir.write_summary(final)
         finally:
             release()
-        if trouble is not None:
-            line = f"normlab: {final.get('name')}: the run's end failed: {type(trouble).__name__}: {trouble}"
-            print(line, file=sys.stderr)
-            log.error("%s", line, exc_info=trouble)
+        if trouble is not None:  # on stderr, not in a log file: the next job's normlab.log may be the one open
+            print(f"normlab: {final.get('name')}: the run's end failed: {type(trouble).__name__}: {trouble}",
+                  file=sys.stderr)
 
     defer(finish)
     return None

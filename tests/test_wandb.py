@@ -3,7 +3,6 @@ summary, read back from the offline run's .wandb file; and an online run that ca
 
 import json
 import logging
-import threading
 import time
 
 import pytest
@@ -190,34 +189,3 @@ def test_through_the_command_no_api_key_is_one_warning_or_one_error_line(tmp_pat
     assert len(warnings) == 1 and "recording offline" in warnings[0]
     assert json.loads((tmp_path / "offline" / "summary.json").read_text())["status"] == "completed"
     assert OfflineRun(tmp_path / "offline").run.run_id
-
-
-def test_an_offline_run_starts_in_the_background_and_gets_every_record_in_order(tmp_path, monkeypatch,
-                                                                                no_user_wandb_settings):
-    real_init, started_on = wandb.init, []
-
-    def slow_init(**kwargs):  # a wandb that starts only once the run has logged: its records wait for it
-        started_on.append(threading.current_thread().name)
-        time.sleep(1.5)
-        return real_init(**kwargs)
-
-    monkeypatch.setattr(wandb, "init", slow_init)
-    summary = train(_cfg(), tmp_path)
-    assert started_on == ["wandb-init"]  # not the training's thread
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
-    logged = [row for row in OfflineRun(tmp_path).history if "loss" in row or "val_loss" in row]
-    assert [(row["step"], row.get("loss"), row.get("val_loss")) for row in logged] == [
-        (row["step"], row.get("loss"), row.get("val_loss")) for row in rows]
-    assert OfflineRun(tmp_path).summary["final_val_loss"] == pytest.approx(summary["final_val_loss"])
-
-
-def test_an_offline_run_that_fails_to_start_in_the_background_fails_the_run_with_its_error(tmp_path, monkeypatch,
-                                                                                           no_user_wandb_settings):
-    def broken_init(**kwargs):
-        raise OSError("wandb's service did not start")
-
-    monkeypatch.setattr(wandb, "init", broken_init)
-    with pytest.raises(OSError, match="wandb's service did not start"):
-        train(_cfg(), tmp_path)
-    saved = json.loads((tmp_path / "summary.json").read_text())
-    assert saved["status"] == "failed" and saved["error"] == "OSError: wandb's service did not start"

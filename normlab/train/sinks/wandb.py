@@ -6,9 +6,8 @@ from __future__ import annotations
 import io
 import logging
 import os
-import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from normlab import keys
 from normlab.train.sinks.base import Sink, SinkContext
@@ -32,10 +31,7 @@ class WandbSink(Sink):
     WANDB_RESUME, a `wandb agent`'s run, `wandb offline`/`wandb online`) applies unless the config
     sets the same thing (a non-null wandb.mode, wandb.project, wandb.entity). An online run that
     cannot start within wandb.init_timeout seconds either records offline, with one warning, or
-    raises WandbUnavailable, as wandb.on_unreachable says, before the run trains. An offline run starts in a
-    thread of its own while the run builds its model (wandb.init waits on its service process): what is logged
-    before it has started is held and logged in order once it has; if it fails to start, the next record (or
-    the finish) raises its error, which so becomes the run's.
+    raises WandbUnavailable, as wandb.on_unreachable says.
     """
 
     def __init__(self, wandb_cfg, run_dir: RunDir, name: str, config: dict[str, Any], tags: list[str],
@@ -71,39 +67,12 @@ class WandbSink(Sink):
             settings=wandb.Settings(silent=True, console="off", init_timeout=wandb_cfg.init_timeout,
                                     login_timeout=wandb_cfg.init_timeout),
         )
+        self.run = self._init(kwargs, wandb_cfg.on_unreachable)
+        self._define_metrics()
         self._step: int | None = None
-        self.run = None
-        self._held: list[Callable[[Any], None]] = []  # what was logged before the run started, in order
-        self._lock = threading.Lock()
-        self._failure: BaseException | None = None
-        if kwargs["mode"] in ("offline", "dryrun"):  # nothing to reach: it starts while the run builds its model
-            self._starting = threading.Thread(target=self._start, args=(kwargs, wandb_cfg.on_unreachable, history),
-                                              name="wandb-init")
-            self._starting.start()
-        else:  # online: an unreachable wandb stops the run (on_unreachable=stop) before it trains
-            self._starting = None
-            self._start(kwargs, wandb_cfg.on_unreachable, history)
-            if self._failure is not None:
-                raise self._failure
-
-    def _start(self, kwargs: dict[str, Any], on_unreachable: str, history: list[dict[str, Any]] | None) -> None:
-        """Start the wandb run, replay a resumed run's `history`, then log what was held meanwhile; a failure is kept
-        for the next record (or the finish) to raise."""
-        try:
-            run = self._init(kwargs, on_unreachable)
-            self._define_metrics(run)
-            for record in history or []:
-                if record.get("step", -1) >= run.step:
-                    run.log(self._shown(record), step=record.get("step"))
-        except BaseException as err:
-            with self._lock:
-                self._failure = err
-            return
-        with self._lock:
-            for call in self._held:
-                call(run)
-            self._held.clear()
-            self.run = run
+        for record in history or []:
+            if record.get("step", -1) >= self.run.step:
+                self.log(record)
 
     def _init(self, kwargs: dict[str, Any], on_unreachable: str):
         """wandb.init(**kwargs); an online run that cannot start records offline, or raises WandbUnavailable."""
@@ -124,15 +93,14 @@ class WandbSink(Sink):
         self._wandb.teardown()
         return self._wandb.init(**{**kwargs, "mode": "offline"})
 
-    @staticmethod
-    def _define_metrics(run) -> None:
+    def _define_metrics(self) -> None:
         """`step` is every key's x-axis (`tokens` may be chosen instead); val_loss and val_bpb are summarised
         by their minimum and their last value."""
-        run.define_metric("step")
-        run.define_metric("tokens")
-        run.define_metric("*", step_metric="step")
+        self.run.define_metric("step")
+        self.run.define_metric("tokens")
+        self.run.define_metric("*", step_metric="step")
         for key in MINIMIZED:
-            run.define_metric(key, step_metric="step", summary="min,last")
+            self.run.define_metric(key, step_metric="step", summary="min,last")
 
     @classmethod
     def open(cls, run: SinkContext) -> Sink:
@@ -145,41 +113,22 @@ class WandbSink(Sink):
         return cls(cfg.wandb, run.run_dir, run.name, wandb_config(cfg, run.run_dir), tags, run_id=run.run_id,
                    history=history)
 
-    def _shown(self, record: dict[str, Any]) -> dict[str, Any]:
-        """What of `record` wandb gets: without the per-layer keys unless wandb.layers."""
-        return dict(record) if self._layers else {k: v for k, v in record.items() if keys.parse(k) is None}
-
-    def _call(self, call: Callable[[Any], None]) -> None:
-        """call(run) now, or once the run has started (in order); the start's failure, if it failed, raises here."""
-        with self._lock:
-            if self._failure is not None:
-                raise self._failure
-            if self.run is None:
-                self._held.append(call)
-                return
-        call(self.run)
-
     def log(self, record: dict[str, Any]) -> None:
-        self._step = step = record.get("step")
-        shown = self._shown(record)
-        self._call(lambda run: run.log(shown, step=step))
+        self._step = record.get("step")
+        if not self._layers:
+            record = {k: v for k, v in record.items() if keys.parse(k) is None}
+        self.run.log(record, step=self._step)
 
     # Tables and images join the last record's step, so end-of-run products do not add steps to the run.
     def log_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> None:
-        step = self._step
-        self._call(lambda run: run.log({name: self._wandb.Table(columns=columns, data=rows)}, step=step))
+        self.run.log({name: self._wandb.Table(columns=columns, data=rows)}, step=self._step)
 
     def log_image(self, name: str, png: bytes) -> None:
         from PIL import Image  # only for end-of-run images, and only in wandb
 
-        step = self._step
-        self._call(lambda run: run.log({name: self._wandb.Image(Image.open(io.BytesIO(png)))}, step=step))
+        self.run.log({name: self._wandb.Image(Image.open(io.BytesIO(png)))}, step=self._step)
 
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
-        if self._starting is not None:
-            self._starting.join()
-        if self._failure is not None:
-            raise self._failure  # the run's records never reached wandb
         try:
             self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
             if summary.get("status") == "preempted":

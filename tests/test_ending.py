@@ -13,6 +13,7 @@ import pytest
 from conftest import tiny_config
 
 from cli_here import normlab_here
+from normlab.launch import task
 from normlab.train import ending
 from normlab.train.callbacks import TelemetryProducts
 from normlab.train.run import train
@@ -124,8 +125,10 @@ def test_run_dir_holds_share_the_lock_and_the_last_release_unlocks(tmp_path):
     assert not _locked(run_dir.path)
 
 
-def test_a_sweeps_summaries_products_and_wandb_runs_are_complete_when_it_returns(tmp_path):
-    # Jobs in this process, one after another: each job's end runs in the end thread while the next job trains.
+def test_a_sweeps_summaries_products_and_wandb_runs_are_complete_when_it_returns(tmp_path, monkeypatch):
+    # Jobs in this process, one after another: each job's end runs in the end thread while the next job trains
+    # (as on a GPU: on the CPU a sweep's jobs end inline).
+    monkeypatch.setattr(task, "ends_in_background", lambda run_cfg: True)
     result = normlab_here("train", "-m", "seed=0,1", "model=tiny", "batch_size=4", "seq_len=16", "eval_batches=1",
                           "max_steps=4", "eval_every=2", "telemetry.every=2", "device=cpu", "wandb.mode=offline",
                           "hydra.sweep.dir=sweep", cwd=tmp_path)
@@ -152,3 +155,8 @@ def test_the_command_leaves_what_is_alive_at_exit_to_the_process_end():
             "atexit._run_exitfuncs(); print(gc.get_freeze_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert int(out[-1]) > 0
+
+
+def test_a_sweep_job_ends_in_the_background_on_a_gpu_only():
+    assert task.ends_in_background(tiny_config(device="cuda"))
+    assert not task.ends_in_background(tiny_config(device="cpu"))

@@ -24,7 +24,7 @@ __all__ = ["RunConfig", "train_run", "load_runs", "compare", "__version__"]
 # every `normlab ...` command does first) stays free of torch and matplotlib: `normlab --help` answers at once.
 _PUBLIC = {
     "RunConfig": ("normlab.config", "RunConfig"),
-    "train_run": ("normlab.train.run", "train"),
+    "train_run": ("normlab.train.api", "train_run"),
     "load_runs": ("normlab.analysis", "load_runs"),
     "compare": ("normlab.analysis.compare", "compare"),
 }

@@ -7,6 +7,7 @@ The model is rebuilt from the configuration saved in the checkpoint and loaded w
 `tokenizer.json` in the run dir when there is one, else the one its config names (a BPE is
 read from the token cache, or learned again, deterministically, from the same text).
 
+The text is written as it is drawn (TextStream), so a long sample shows from its first tokens on.
 The prompt is the bytes typed: a byte-tokenizer run continues them as they are, UTF-8 or not (Python
 hands argv's other bytes over surrogate-escaped); a BPE or pretrained tokenizer reads UTF-8 text only.
 """
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from normlab.config.validate import DEVICES
 from normlab.util.errors import fail
@@ -46,10 +48,20 @@ def main(argv: list[str]) -> int:
     try:
         args = parser.parse_args(argv)
         _check_args(args)
-        print(sample_text(args.path, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.device))
+        sample_text(args.path, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.device,
+                    write=_written)
     except SampleError as err:
         return fail(err)
+    except KeyboardInterrupt:  # Ctrl-C: the text so far is out; end its line, no traceback
+        print()
+        return 130
+    print()
     return 0
+
+
+def _written(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()  # each piece as it is drawn: a long sample shows its text from the first tokens on
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -64,8 +76,10 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def sample_text(path: str, prompt: str, n_tokens: int, temperature: float, top_k: int | None, seed: int,
-                device: str = "cpu") -> str:
-    """The prompt followed by `n_tokens` sampled tokens, decoded. Raises SampleError for an unusable path."""
+                device: str = "cpu", write: Callable[[str], None] | None = None) -> str:
+    """The prompt followed by `n_tokens` sampled tokens, decoded. Raises SampleError for an unusable path.
+    `write`, when given, receives the same text in pieces as it is made: the prompt, then the new text as its
+    tokens are drawn (TextStream)."""
     # Here and below, torch and the model's stack load only when a sample is drawn: `normlab sample --help`
     # and a bad argument answer at once.
     import torch
@@ -99,9 +113,49 @@ def sample_text(path: str, prompt: str, n_tokens: int, temperature: float, top_k
     except TokenizerError as err:
         raise SampleError("--prompt" + str(err).removeprefix("the text")) from None
     generator = torch.Generator(device=device).manual_seed(seed)
-    new = generate(model, ids, n_tokens, temperature, top_k, generator)
     # The prompt as typed, a byte that is not UTF-8 shown as U+FFFD, as the new bytes are decoded.
-    return prompt.encode("utf-8", "surrogateescape").decode("utf-8", errors="replace") + tokenizer.decode(new)
+    shown = prompt.encode("utf-8", "surrogateescape").decode("utf-8", errors="replace")
+    stream = TextStream(tokenizer.decode, write) if write is not None else None
+    if write is not None:
+        write(shown)
+    new = generate(model, ids, n_tokens, temperature, top_k, generator, stream.add if stream else None)
+    if stream is not None:
+        stream.close()
+    return shown + tokenizer.decode(new)
+
+
+class TextStream:
+    """New tokens' text handed to `write` as the tokens come, each piece as `decode` will have it in the end.
+
+    A piece is written once the text of the tokens so far extends what was written and does not end in U+FFFD
+    (what decoding gives for a character whose bytes have not all come yet). The tokens are decoded from a window:
+    past WINDOW tokens it starts again from the last OVERLAP, at a whole character, whose text gives later tokens
+    their context (a BPE's spaces), so each token costs one decode of at most WINDOW + OVERLAP ids."""
+
+    WINDOW, OVERLAP = 256, 8
+
+    def __init__(self, decode: Callable[[list[int]], str], write: Callable[[str], None]):
+        self.decode, self.write = decode, write
+        self.ids: list[int] = []
+        self.shown = ""  # the text of self.ids already written (or given as context)
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.shown):
+            return
+        if len(text) > len(self.shown):
+            self.write(text[len(self.shown):])
+        self.shown = text
+        if len(self.ids) > self.WINDOW:
+            self.ids = self.ids[-self.OVERLAP:]
+            self.shown = self.decode(self.ids)
+
+    def close(self) -> None:
+        """Write what is left: the last tokens' text, a U+FFFD at the end included."""
+        text = self.decode(self.ids)
+        if len(text) > len(self.shown):
+            self.write(text[len(self.shown):] if text.startswith(self.shown) else text)
 
 
 def saved_config(payload: Mapping[str, Any]):
@@ -148,9 +202,11 @@ def _load_model(cfg, state: Mapping[str, Any], device):
     return model.to(device).eval()
 
 
-def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: int | None, generator) -> list[int]:
+def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: int | None, generator,
+             on_token: Callable[[int], None] | None = None) -> list[int]:
     """`n_tokens` ids drawn one at a time after `ids`, each from the model's next-token distribution
-    (divided by `temperature`; temperature 0 takes the likeliest), conditioned on at most its context."""
+    (divided by `temperature`; temperature 0 takes the likeliest), conditioned on at most its context;
+    each handed to `on_token` as it is drawn."""
     import torch
 
     device = next(model.parameters()).device
@@ -168,5 +224,7 @@ def generate(model, ids: list[int], n_tokens: int, temperature: float, top_k: in
                     logits = logits.masked_fill(logits < floor, float("-inf"))
                 nxt = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
             new.append(nxt)
+            if on_token is not None:
+                on_token(nxt)
             seq = torch.cat([seq, torch.tensor([[nxt]], device=device)], dim=1)
     return new

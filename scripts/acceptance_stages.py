@@ -260,6 +260,54 @@ def pack21(ctx: Context) -> None:
                f"normlab train -m {' '.join(overrides)}", ok=worst <= tolerance)
 
 
+# Issue 38's ablation: 4 norms x 2 placements x 3 lrs x 3 seeds of the medium preset, 500 steps (147M tokens).
+ABLATION = {"norm": "none,layer,rms,batch", "placement": "pre,post", "lr": "1e-3,3e-3,1e-2", "seed": "0,1,2",
+            "model": "medium", "max_steps": 500}
+# How it runs, from the H100's measurements (docs/speed.md): each norm x placement arm's 9 lr x seed runs as one
+# pack (one model's kernel launches for 9 runs' work), 4 packs at once on the GPU; eager, as packs are.
+ABLATION_RUN = {"pack": "true", "hydra.launcher.jobs_per_gpu": 4}
+# The smoke's grid: 2 packs of 4 tiny runs on the CPU (the whole grid would take minutes there).
+ABLATION_SMOKE = {"norm": "layer,rms", "placement": "pre", "lr": "1e-3,3e-3", "seed": "0,1", "max_steps": 4}
+# Final val losses of sampled runs, packed against one at a time: bf16 on a GPU is not bit-exact, and 500 steps
+# let rounding differences grow (a bound set ahead of the first GPU run, which reports the difference itself);
+# within 1e-5 on the CPU in fp32, as docs/sweeps.md says of packs.
+ABLATION_TOLERANCE = 1e-2
+
+
+def ablation72(ctx: Context) -> None:
+    """The 72-run ablation as one sweep command (packs, concurrent on the GPU), then two of its runs one at a
+    time: the sweep's wall time, and whether their final val losses agree."""
+    from normlab.launch.sweep_log import phase_totals
+    from startup import normlab_command
+    from sweep_bench import run_sweep, unfinished
+
+    grid = {**ABLATION, **ABLATION_RUN}
+    overrides = ctx.run_overrides(grid, smoke=ABLATION_SMOKE)
+    normlab = normlab_command()
+    wall, jobs = run_sweep(normlab, overrides, ctx.workdir / "ablation")
+    expected = 8 if ctx.smoke else 72
+    value, detail = sweep_wall(wall, jobs, expected, "runs")
+    steps = int(dict(o.split("=", 1) for o in overrides)["max_steps"])
+    tokens = sum(s.get("tokens") or 0 for s in jobs.values())
+    detail += (f"; {tokens / 1e6:.1f}M tokens, {tokens / wall:,.0f} tokens/s over the whole command; "
+               f"{phase_totals(list(jobs.values())) or 'no phases recorded'}")
+    sample = ctx.run_overrides({**grid, "norm": "layer,rms", "placement": "pre", "lr": "3e-3", "seed": "1",
+                                "pack": "false", "hydra.launcher.jobs_per_gpu": 2},
+                               smoke={"norm": "layer,rms", "placement": "pre", "lr": "3e-3", "seed": "1", "max_steps": 4})
+    _, alone = run_sweep(normlab, sample, ctx.workdir / "alone")
+    tolerance, diff = (1e-5 if ctx.smoke else ABLATION_TOLERANCE), float("inf")
+    if why := ("the sweep's runs did not finish" if value is None else unfinished(alone, 2, "runs")):
+        detail += f"; runs one at a time not compared: {why}"
+    elif missing := [n for n in alone if n not in jobs]:
+        detail += f"; runs one at a time not compared: {', '.join(missing)} not in the sweep"
+    else:
+        diff = max(abs(jobs[n]["final_val_loss"] - s["final_val_loss"]) / abs(s["final_val_loss"]) for n, s in alone.items())
+        detail += (f"; {', '.join(sorted(alone))} one at a time (pack=false, {steps} steps): largest relative "
+                   f"difference of final val loss {diff:.2e} (tolerance {tolerance:g})")
+    ctx.report("ablation72_wall_s", value, detail, "two of its runs one at a time: their final val losses",
+               f"normlab train -m {' '.join(overrides)}", ok=diff <= tolerance)
+
+
 def deterministic(ctx: Context) -> None:
     """deterministic=true: its step-time cost in one process, then a run stopped by SIGTERM after its first
     checkpoint and resumed, whose rows must equal those of the same run uninterrupted."""
@@ -405,6 +453,10 @@ def figures(*specs: tuple[str, str, str | None]) -> tuple[Figure, ...]:
     return tuple(Figure(*spec) for spec in specs)
 
 
+# The whole script no longer fits one device call (at most 600 s, of which a fresh machine's start takes about 30):
+# `--call 1` and `--call 2` run these halves, each within 560 s of budgets.
+CALLS = (("gpt2", "medium_graphs", "telemetry", "deterministic", "sweep8"), ("pack21", "ablation72", "suite", "torchrun"))
+
 # In order of value per second, so that a cut-off run keeps most figures: the headline speed ratios first, the
 # workflow figures next, the suite (long; its failures also show in the stages before) and torchrun's CPU path last.
 # The budgets: the H200's stage times of 2026-11-26 (docs/benchmarks/gpu-h200.md) and 10 to 20% more; the
@@ -425,6 +477,8 @@ STAGES = (
           "the 8-arm medium sweep, command to closing table, default launcher"),
     Stage("pack21", figures(("pack21_wall_s", "s", "<= 30"),), 90, 150, pack21,
           "the 21-run lr × seed grid of the medium preset as one pack"),
+    Stage("ablation72", figures(("ablation72_wall_s", "s", "<= 150"),), 240, 300, ablation72,
+          "the 72-run ablation (4 norms x 2 placements x 3 lrs x 3 seeds, medium, 500 steps), packed, 4 packs at once"),
     Stage("suite", figures(("suite_failed", "tests", "== 0"), ("suite_passed", "tests", None)), 45, 120, suite,
           "the test suite on this machine, tests/test_cuda.py included"),
     Stage("torchrun", figures(("torchrun_cpu2_ok", "", "== true"),), 33, 120, torchrun,

@@ -1,9 +1,10 @@
 """GPU acceptance in one command: every figure the docs lack from a GPU, measured stage by stage, kept as it goes.
 
-    python scripts/gpu_acceptance.py [--smoke] [--out DIR] [--stage NAME ...] [--budget NAME=SECONDS ...]
+    python scripts/gpu_acceptance.py [--smoke] [--out DIR] [--call 1|2] [--stage NAME ...] [--budget NAME=SECONDS ...]
 
-On a lent device (one command, carrying .whl; see docs/speed.md#gpu-acceptance):
-    source .whl/setup.sh && PYTHONUNBUFFERED=1 python3 scripts/gpu_acceptance.py --out $OUT
+On a lent device (carrying .whl; see docs/speed.md#gpu-acceptance), in two calls, since the stages together
+need more than one call's 600 s (and more than one session's 15 minutes of device time):
+    source .whl/setup.sh && PYTHONUNBUFFERED=1 python3 scripts/gpu_acceptance.py --out $OUT --call 1   (then 2)
 
 The stages (scripts/acceptance_stages.py; default: all, in its order) run one after another, each in a process
 of its own with a wall-clock budget. After each stage DIR/gpu-acceptance.json (device, torch, cuda, commit,
@@ -24,7 +25,6 @@ import datetime
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +37,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from acceptance_stages import ROOT, STAGES, Context, Stage  # noqa: E402
+from acceptance_stages import CALLS, ROOT, STAGES, Context, Stage  # noqa: E402
 
 BY_NAME = {stage.name: stage for stage in STAGES}
 OPS = {">=": lambda v, t: v >= t, "<=": lambda v, t: v <= t, "==": lambda v, t: v == t}
@@ -252,6 +252,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "with --smoke: outputs/gpu-acceptance-smoke/)")
     parser.add_argument("--stage", nargs="+", action="extend", default=None, metavar="NAME",
                         help=f"stages to run, in the script's order (default: all): {', '.join(BY_NAME)}")
+    parser.add_argument("--call", type=int, choices=range(1, len(CALLS) + 1), default=None,
+                        help="one of the device calls the stages are split into (each fits one 600 s call): "
+                             + "; ".join(f"{i}: {', '.join(names)}" for i, names in enumerate(CALLS, 1)))
     parser.add_argument("--budget", action="append", default=[], metavar="NAME=SECONDS",
                         help="another wall-clock budget for a stage (repeatable)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -290,12 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"gpu_acceptance: error: {problem}", file=sys.stderr)
         return 2
-    stages = [s for s in STAGES if args.stage is None or s.name in args.stage]
+    chosen = args.stage if args.call is None else [*(args.stage or ()), *CALLS[args.call - 1]]
+    stages = [s for s in STAGES if chosen is None or s.name in chosen]
     out = args.out or ROOT / ("outputs/gpu-acceptance-smoke" if args.smoke else "docs/benchmarks")
     out.mkdir(parents=True, exist_ok=True)
     signals = Signals()
     header = environment(args.smoke)
-    report = Report(out, header, stages, limits, previous_run(out / "gpu-acceptance.json", header) if args.stage else None)
+    report = Report(out, header, stages, limits, previous_run(out / "gpu-acceptance.json", header) if chosen else None)
     report.write()
     started = time.perf_counter()
     with (out / "gpu-acceptance.log").open("a") as log, tempfile.TemporaryDirectory(prefix="acceptance-") as scratch:

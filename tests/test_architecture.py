@@ -89,9 +89,9 @@ def test_the_public_api_loads_on_first_use():
     from normlab.analysis import load_runs
     from normlab.analysis.compare import compare
     from normlab.config import RunConfig
-    from normlab.train.run import train
+    from normlab.train.api import train_run
 
-    assert (normlab.RunConfig, normlab.train_run, normlab.load_runs, normlab.compare) == (RunConfig, train, load_runs, compare)
+    assert (normlab.RunConfig, normlab.train_run, normlab.load_runs, normlab.compare) == (RunConfig, train_run, load_runs, compare)
     assert set(normlab.__all__) <= set(dir(normlab))
     with pytest.raises(AttributeError):
         normlab.no_such_name

@@ -83,6 +83,9 @@ def trained(cwd) -> list:
         (["lr=1e-3,3e-3"], ["lr=1e-3,3e-3 is a sweep", "add -m"]),
         (["norm=rms,layer"], ["is a sweep", "add -m"]),
         (["lr=[1e-3"], ["not an override normlab can read", "key=value"]),
+        (["name=a^b"], ["name=a^b: not an override normlab can read ('^' at position 1 of the value cannot stand "
+                        "unquoted: quote it as name='a^b', in a shell \"name='a^b'\")"]),
+        (["name=" + "x" * 5000], ["name='xxxxxxxx", "…[4942 characters]…", "': a run name has 1 to 100 characters"]),
         # a character no path or name holds (Hydra: its grammar's error over two lines, blaming what follows)
         (["hydra.run.dir=run\nb"], ["hydra.run.dir holds a newline (\\n) at position 3 of its value 'run\\nb'",
                                      "may hold neither control characters nor bytes that are not UTF-8"]),
@@ -125,6 +128,13 @@ def test_bad_input_gives_one_line_and_trains_nothing(tmp_path, overrides, fragme
     result = normlab_here("train", *overrides, *TINY, cwd=tmp_path)
     assert_one_line(result, *fragments)
     assert not trained(tmp_path)
+
+
+def test_a_refusal_echoes_a_long_value_cut_and_a_quoted_value_as_advised_is_read(tmp_path):
+    long = normlab_here("train", "name=" + "x" * 5000, *TINY, cwd=tmp_path)
+    assert len(assert_one_line(long)) < 300
+    result = normlab_here("train", "name='a^b'", *TINY, "--cfg", "job", cwd=tmp_path)  # as the refusal of name=a^b says
+    assert result.returncode == 0 and "name: a^b" in result.stdout, result.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,25 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path):
         Checkpoint.load(evil)
 
 
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo ran",))
+
+
+def test_a_crafted_pickle_of_another_protocol_is_refused_in_one_line_without_torchs_warning(tmp_path):
+    import pickle
+    import warnings
+
+    crafted = tmp_path / "crafted.pt"
+    with open(crafted, "wb") as fh:
+        pickle.dump({"format": "normlab-checkpoint/1", "payload": _RunsCode()}, fh, protocol=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match="crafted.pt: unreadable checkpoint"):
+            Checkpoint.load(crafted)
+    assert [str(w.message) for w in caught] == []
+
+
 def test_a_checkpoint_of_another_config_is_refused_and_the_run_dir_left_as_it_was(tmp_path):
     cfg = _cfg()
     train(cfg, tmp_path)

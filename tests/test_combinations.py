@@ -24,7 +24,8 @@ from normlab.config import ConfigError, NormConfig, RunConfig
         (dict(norm="layer", placement="mix", mix_p=1.5), "mix_p=1.5: must be between 0 and 1"),
         (dict(norm="layer", placement="mix", mix_p=-0.1), "mix_p=-0.1: must be between 0 and 1"),
         (dict(norm="dyt", alpha_mlp=0.0), "norm.alpha_mlp=0.0: must be a positive number"),
-        (dict(norm="dyt", alpha_final=float("nan")), "norm.alpha_final=nan: must be a positive number"),
+        # validate() checks types as from_dict does first: a NaN is refused as from_dict refuses it
+        (dict(norm="dyt", alpha_final=float("nan")), "norm.alpha_final=nan: must be a finite number (not nan or inf)"),
     ],
 )
 def test_combinations_that_make_no_sense_are_rejected_with_the_reason(overrides, message):

@@ -25,6 +25,7 @@ import wandb
 from cli_here import normlab_here
 from conftest import tiny_config
 from normlab.cli import main
+from normlab.config import RunConfig
 from normlab.train import preempt
 from normlab.train.callbacks import Callback
 from normlab.train.checkpoint import Checkpoint, CheckpointError, checkpoint_path, list_checkpoints
@@ -221,6 +222,34 @@ def test_a_second_run_in_a_locked_run_dir_gets_one_line_and_changes_nothing(run_
         holder.wait()
     result = normlab_here("train", *RUN, "overwrite=true", f"hydra.run.dir={run_copy}", cwd=run_copy.parent)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+HOLD_DIR = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(600)")  # as RunDir.lock(), without torch
+
+
+def test_a_sweep_job_whose_dir_another_process_holds_is_busy_on_its_line_and_in_the_table(tmp_path):
+    """As when two identical sweeps start in one dir: the job the other process trains is not this sweep's to report."""
+    sweep = tmp_path / "sweep"
+    held = sweep / "0_layer-pre-d2-lr1e-3-s0"
+    held.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_DIR, str(held)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = normlab_here("train", "-m", *SWEEP, "max_steps=2", "lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}",
+                              cwd=tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("job 0 ")]
+    assert line.startswith(f"job 0 layer-pre-d2-lr1e-3-s0: busy: held by PID {holder.pid}, final val loss -"), line
+    assert "sweep: 2 jobs (1 busy, 1 completed), best first" in result.stdout
+    [row] = [r for r in result.stdout.splitlines() if r.startswith("0 ")]
+    assert f"BUSY: held by PID {holder.pid}" in row
+    assert line in (sweep / "sweep.log").read_text()
+    [refusal] = [e for e in result.stderr.splitlines() if e.startswith("normlab: error: job 0")]
+    assert f"another normlab run (PID {holder.pid}) is writing it" in refusal
 
 
 def test_two_runs_started_together_in_one_dir_do_not_interleave(tmp_path):
@@ -532,6 +561,10 @@ def test_a_data_error_in_one_job_is_that_jobs_failure(tmp_path, monkeypatch, cap
     assert "a.txt" in summary(jobs[0])["error"]
     failures = [line for line in result.stderr.splitlines() if line.startswith("normlab: error:")]
     assert len(failures) == 1 and "job 0" in failures[0] and "a.txt" in failures[0]
+    # One line on the terminal; the traceback in the job's own log.
+    assert "Traceback" not in result.stdout + result.stderr and "[ERROR]" not in result.stdout + result.stderr
+    log = (jobs[0] / "normlab.log").read_text()
+    assert "job layer-pre-d2-lr3e-3-s0 failed: DataError" in log and "Traceback (most recent call last)" in log
 
 
 def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_path, monkeypatch, capsys):
@@ -564,6 +597,66 @@ def test_a_rerun_sweep_records_a_corrupt_checkpoint_and_skips_ended_jobs(tmp_pat
         k: v for k, v in ended.items() if k not in linked}
     assert any(line.startswith("job 1 ") and ": completed" in line for line in again.stdout.splitlines())  # its line
     assert sorted((jobs[1] / "wandb").glob("offline-run-*")) == wandb_runs[jobs[1]]  # no second wandb run
+
+
+SWEEP = [a for a in RUN if not a.startswith(("max_steps=", "eval_every=", "ckpt."))] + ["eval_every=2"]
+
+
+@pytest.fixture(scope="module")
+def finished_sweep(tmp_path_factory):
+    """A sweep of two jobs of 4 steps (lr=1e-3,3e-3), run once in its dir; tests take copies."""
+    root = tmp_path_factory.mktemp("finished_sweep")
+    result = normlab_here("train", "-m", *SWEEP, "max_steps=4", "lr=1e-3,3e-3", f"hydra.sweep.dir={root / 'sweep'}",
+                          cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "sweep"
+
+
+@pytest.mark.parametrize("launcher", [[], ["hydra.launcher.cpu_jobs=2"], ["pack=true"], ["hydra/launcher=basic"],
+                                      ["hydra/launcher=submitit_local"]], ids=lambda a: " ".join(a) or "normlab")
+def test_a_finished_sweep_run_again_with_another_value_is_refused_whole_and_changes_nothing(finished_sweep, tmp_path,
+                                                                                          launcher):
+    sweep = tmp_path / "sweep"
+    shutil.copytree(finished_sweep, sweep)
+    before = snapshot(sweep)
+    # One value changed (max_steps), and one more lr: job 2 never started, and does not start either.
+    again = normlab_here("train", "-m", *SWEEP, "max_steps=6", "lr=1e-3,3e-3,1e-2", f"hydra.sweep.dir={sweep}",
+                         *launcher, cwd=tmp_path)
+    assert again.returncode == 2
+    line = one_error_line(again.stderr, f"hydra.sweep.dir={sweep}", "jobs 0 (layer-pre-d2-lr1e-3-s0) and "
+                          "1 (layer-pre-d2-lr3e-3-s0) ran with max_steps=4", "this command gives max_steps=6",
+                          "give max_steps=4 to continue the sweep")
+    assert "lr1e-2" not in line
+    assert snapshot(sweep) == before  # every file, .hydra/, normlab.log, multirun.yaml and sweep.log included
+    assert sorted(p.name for p in sweep.iterdir()) == sorted(p.name for p in finished_sweep.iterdir())  # no job 2
+
+
+def test_a_search_sweep_run_again_with_another_value_stops_at_its_first_trial_with_records(tmp_path):
+    sweep = tmp_path / "sweep"
+    search = ["hydra/sweeper=lr_search", "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={sweep}"]
+    first = normlab_here("train", "-m", *SWEEP, "max_steps=4", *search, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = snapshot(sweep)
+    again = normlab_here("train", "-m", *SWEEP, "max_steps=6", *search, cwd=tmp_path)
+    assert again.returncode == 2
+    [line] = [line for line in again.stderr.splitlines() if line.startswith("normlab: error:")]
+    assert "job 0 (layer-pre-d2-lr" in line and "ran with max_steps=4 (its config.json), this command gives max_steps=6" in line
+    # No traceback of normlab's (optuna's logger, set up by the first command in this process, writes to a stream
+    # that command's capture closed: a test artifact, printed as a "Logging error").
+    assert again.stderr.count("Traceback") == again.stderr.count("--- Logging error ---\nTraceback")
+    assert snapshot(sweep) == before
+
+
+def test_a_failure_is_not_recorded_over_the_records_of_another_config(run_copy):
+    from normlab.launch.rundir import record_failure
+
+    before = snapshot(run_copy)
+    cfg = tiny_config(max_steps=12)  # run_copy ran 10 steps
+    record_failure(run_copy, cfg, CheckpointError("written by a run with max_steps=10"))
+    assert snapshot(run_copy) == before
+    own = RunConfig.from_dict(json.loads((run_copy / "config.json").read_text()))
+    record_failure(run_copy, own, CheckpointError("unreadable"))  # its own config: the failure is on record
+    assert summary(run_copy)["status"] == "failed" and summary(run_copy)["error"] == "CheckpointError: unreadable"
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -52,7 +52,7 @@ def test_a_smoke_stage_measures_its_figures_and_one_past_its_budget_records_null
         assert got[name]["value"] is None and got[name]["met"] is None
         assert got[name]["detail"] == "ran past its budget of 0.5 s and was stopped"
     table = (tmp_path / "gpu-acceptance.md").read_text()
-    assert f"| suite_failed | 0 | tests | == 0 | yes |" in table and f"| suite_passed | {passed['value']} | tests |" in table
+    assert "| suite_failed | 0 | tests | == 0 | yes |" in table and f"| suite_passed | {passed['value']} | tests |" in table
     assert "| deterministic_resume_equal | null |" in table and "| deterministic | 0.5 |" in table
     assert "===== stage suite" in (tmp_path / "gpu-acceptance.log").read_text()
 
@@ -163,9 +163,45 @@ def test_a_stage_gets_the_time_the_stages_before_it_left_unused():
     assert gpu_acceptance.stage_budget(budgets, 2, 200.0) == 55  # never less than its own
 
 
-def test_the_default_run_fits_one_device_call():
+def test_each_call_fits_one_device_call_and_the_calls_cover_every_stage():
     # a device call is limited to 600 s, and a fresh machine's start-up took about 30 s of it on the H200
-    assert sum(stage.budget_s for stage in acceptance_stages.STAGES) <= 560
+    by_name = {stage.name: stage for stage in acceptance_stages.STAGES}
+    for call in acceptance_stages.CALLS:
+        assert sum(by_name[name].budget_s for name in call) <= 560, call
+    assert sorted(name for call in acceptance_stages.CALLS for name in call) == sorted(by_name)
+
+
+def test_the_ablation_stage_times_the_sweep_and_compares_two_runs_made_alone(tmp_path, monkeypatch):
+    done = {**DONE, "tokens": 1000, "phases": {"train": 2.0, "startup": 1.0}, "phases_shared_by": 4}
+    runs = {f"run{i}": done for i in range(6)}
+    fake_sweeps(monkeypatch, {"ablation": {**runs, "layer-pre-d2-lr3e-3-s1": done, "rms-pre-d2-lr3e-3-s1": done},
+                              "alone": {"layer-pre-d2-lr3e-3-s1": {**DONE, "final_val_loss": 2.5000125},
+                                        "rms-pre-d2-lr3e-3-s1": DONE}})
+    ctx = acceptance_stages.Context(True, tmp_path / "result.json", tmp_path)
+    acceptance_stages.ablation72(ctx)
+    got = ctx.results["ablation72_wall_s"]
+    assert got["value"] == 38.65 and got["ok"] is True
+    assert got["detail"].startswith("8 runs (completed); 0.0M tokens, 207 tokens/s over the whole command; time by phase, "
+                                    "summed over the jobs: train 4.0 s (67%), startup 2.0 s (33%); ")
+    assert got["detail"].endswith("layer-pre-d2-lr3e-3-s1, rms-pre-d2-lr3e-3-s1 one at a time (pack=false, 4 steps): "
+                                  "largest relative difference of final val loss 5.00e-06 (tolerance 1e-05)")
+    assert "pack=true" in got["command"] and "hydra.launcher.jobs_per_gpu=4" in got["command"]
+
+
+def test_the_ablation_stage_reports_no_figure_when_a_run_failed_or_differs(tmp_path, monkeypatch):
+    alone = {"layer-pre-d2-lr3e-3-s1": DONE, "rms-pre-d2-lr3e-3-s1": DONE}
+    failed = {**{f"run{i}": DONE for i in range(7)}, "x": {"status": "failed", "error": "RuntimeError: boom"}}
+    fake_sweeps(monkeypatch, {"ablation": failed, "alone": alone})
+    ctx = acceptance_stages.Context(True, tmp_path / "a" / "result.json", tmp_path / "a")
+    acceptance_stages.ablation72(ctx)
+    got = ctx.results["ablation72_wall_s"]
+    assert got["value"] is None and got["ok"] is False and "1 of 8 runs failed: RuntimeError: boom" in got["detail"]
+    far = {**{f"run{i}": DONE for i in range(6)}, **alone, "rms-pre-d2-lr3e-3-s1": {**DONE, "final_val_loss": 2.6}}
+    fake_sweeps(monkeypatch, {"ablation": far, "alone": alone})
+    ctx = acceptance_stages.Context(True, tmp_path / "b" / "result.json", tmp_path / "b")
+    acceptance_stages.ablation72(ctx)
+    got = ctx.results["ablation72_wall_s"]
+    assert got["value"] == 38.65 and got["ok"] is False and "difference of final val loss 4.00e-02" in got["detail"]
 
 
 @pytest.mark.parametrize("value, target, ok, expected", [

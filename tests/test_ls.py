@@ -76,3 +76,15 @@ def test_ls_json_carries_each_runs_phases(tmp_path, capsys):
 def test_ls_of_a_missing_dir_is_one_line_and_exit_2(tmp_path, capsys):
     code, out = ls(capsys, str(tmp_path / "nowhere"))
     assert code == 2 and out.err.count("\n") == 1 and "no such file or directory" in out.err
+
+
+def test_a_damaged_summary_is_listed_as_damaged_not_as_a_killed_run(tmp_path, capsys, monkeypatch):
+    sweep = sweep_of_four(tmp_path)
+    (sweep / "0_rms" / "summary.json").write_text('{"status": "compl')  # cut short: not JSON
+    (sweep / "3_batch" / "summary.json").write_text("[1, 2]")  # JSON, but not an object
+    monkeypatch.chdir(tmp_path)
+    code, out = ls(capsys, "sweep")
+    rows = {line.split()[-1]: line.split() for line in out.out.splitlines()[1:5]}
+    assert code == 0 and rows["sweep/0_rms"][:3] == ["damaged", "8/8", "-"] and rows["sweep/3_batch"][0] == "damaged"
+    assert rows["sweep/2_dyt"][0] == "incomplete"  # no summary.json at all: killed
+    assert out.out.splitlines()[5] == "sweep sweep: 4 runs: 2 damaged, 1 diverged, 1 incomplete"

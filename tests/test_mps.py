@@ -51,6 +51,7 @@ def fake_control(tmp_path, monkeypatch):
 
 def test_the_sweeps_own_daemon_runs_with_its_dirs_under_the_sweep_dir_and_stops_at_the_end(tmp_path, fake_control, monkeypatch):
     monkeypatch.setattr(mps_module, "client_check", lambda env: None)  # a client reaches the daemon
+    monkeypatch.setattr(mps_module, "MAX_PIPE_DIR", 4096)  # pytest's tmp_path may be long (a long one: a test below)
     sweep = tmp_path / "s"
     with sweep_mps(sweep, wanted=True) as mps:
         pipe, logs = sweep.resolve() / ".mps" / "pipe", sweep.resolve() / ".mps" / "log"
@@ -175,7 +176,8 @@ def test_which_sweeps_run_cuda_graphs():
 
 def test_a_worker_gets_the_daemons_environment_before_torch(monkeypatch):
     for key in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NORMLAB_WORKER_MEMORY_FRACTION"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # recorded, so the test's end puts back what was there (or removes it)
+        monkeypatch.delenv(key)
     _pin_worker("1", 3, 0.25, {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/p"})
     assert (os.environ["CUDA_MPS_PIPE_DIRECTORY"], os.environ["CUDA_VISIBLE_DEVICES"], os.environ["OMP_NUM_THREADS"]) == \
         ("/tmp/p", "1", "3")

@@ -97,3 +97,42 @@ def test_a_sweep_job_whose_dir_went_is_that_jobs_failure_and_the_sweep_goes_on(t
     [job] = [p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert job.name.startswith("1_") and json.loads((job / "summary.json").read_text())["status"] == "completed"
     assert not deleted[0].exists()
+    # Its line, sweep.log and the table say what became of it, and the table lists every job of the sweep.
+    gone = f"job 0 {deleted[0].name[2:]}: failed: run dir deleted or moved away at step "
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("job 0 ")]
+    assert line.startswith(gone) and "final val loss -, run wall time -" in line, line
+    assert "sweep: 2 jobs (1 completed, 1 failed), best first" in result.stdout
+    [row] = [r for r in result.stdout.splitlines() if r.startswith("0 ")]
+    assert f"FAILED: run dir deleted or moved away at step" in row and deleted[0].name in row, row
+    log = (sweep / "sweep.log").read_text()
+    assert gone in log and "sweep: 2 jobs (1 completed, 1 failed)" in log
+
+
+def test_a_pack_member_whose_dir_went_fails_alone_and_its_path_stays_empty(tmp_path, monkeypatch, capsys):
+    import normlab.train.pack.loop as pack_loop
+
+    sweep, moved = tmp_path / "sweep", tmp_path / "moved"
+    member = sweep / "0_layer-pre-d2-lr1e-3-s0"
+    evaluate, calls = pack_loop.evaluate_pack, []
+
+    def moving_evaluate(*args):  # member 0's dir moved away at the pack's second evaluation (step 5's): mid-run
+        calls.append(1)
+        if len(calls) == 2:
+            member.rename(moved)
+        return evaluate(*args)
+
+    monkeypatch.setattr(pack_loop, "evaluate_pack", moving_evaluate)
+    result = normlab_here("train", "-m", *RUN, "lr=1e-3,3e-3", "pack=true", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    failures = [line for line in result.stderr.splitlines() if line.startswith("normlab: error:")]
+    assert len(failures) == 1 and failures[0].startswith("normlab: error: job 0 (layer-pre-d2-lr1e-3-s0) failed: ")
+    assert f"the run dir {member} was deleted or moved away during the run (noticed at step 6)" in failures[0]
+    assert not member.exists()  # nothing made again at its path: no checkpoint, summary, .hydra/ or log
+    assert not (moved / "summary.json").exists() and sorted(p.name for p in (moved / "checkpoints").iterdir()) == [
+        "step-000005.pt"]
+    assert [json.loads(line)["step"] for line in (moved / "metrics.jsonl").read_text().splitlines()][-1] == 5
+    [other] = [p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    done = json.loads((other / "summary.json").read_text())
+    assert other.name == "1_layer-pre-d2-lr3e-3-s0" and done["status"] == "completed" and done["steps"] == 10
+    assert "job 0 layer-pre-d2-lr1e-3-s0: failed: run dir deleted or moved away at step 6, final val loss -" in result.stdout
+    assert "sweep: 2 jobs (1 completed, 1 failed), best first" in result.stdout

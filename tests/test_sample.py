@@ -180,3 +180,30 @@ def test_sample_decodes_with_the_runs_bpe(tmp_path, capsys):
     model.load_state_dict(payload["state"]["model"])
     ids = generate(model, corpus.tokenizer.encode("def").tolist(), 5, 0.0, None, torch.Generator())
     assert out == "def" + corpus.tokenizer.decode(ids) + "\n"
+
+
+def test_a_sample_is_written_as_its_tokens_are_drawn(run_dir):
+    """A long sample shows its text from the first tokens on (before: nothing until the last; 1e8 tokens took a
+    day and a half in silence), and the pieces make the same text as the sample drawn whole."""
+    from normlab.sample import sample_text
+
+    pieces = []
+    whole = sample_text(str(run_dir), PROMPT, 300, 1.5, None, 5, write=pieces.append)
+    assert pieces[0] == PROMPT and len(pieces) > 50 and "".join(pieces) == whole
+    assert sample_text(str(run_dir), PROMPT, 300, 1.5, None, 5) == whole
+
+
+def test_the_streamed_text_of_random_bytes_is_their_whole_decoding():
+    import random
+
+    from normlab.sample import TextStream
+
+    rng = random.Random(0)
+    ids = [rng.choice([rng.randrange(256), rng.randrange(0x80), 0xE2, 0x82, 0xAC, 0xF0, 0x9F]) for _ in range(3000)]
+    decode = lambda tokens: bytes(tokens).decode("utf-8", errors="replace")  # noqa: E731  (the byte tokenizer's)
+    pieces = []
+    stream = TextStream(decode, pieces.append)
+    for token in ids:
+        stream.add(token)
+    stream.close()
+    assert "".join(pieces) == decode(ids) and len(pieces) > 100

@@ -91,6 +91,21 @@ def test_fail_fast_stops_the_sweep(tmp_path):
     assert json.loads((only / "summary.json").read_text())["status"] == "failed"
 
 
+@pytest.mark.parametrize("subdir, says", [
+    ("../../x_${hydra.job.num}", "hydra.sweep.subdir=../../x_${hydra.job.num}: job 0's dir {root}/x_0 is not inside the sweep dir {root}/a/sweep"),
+    ("/tmp/elsewhere_${hydra.job.num}", "job 0's dir /tmp/elsewhere_0 is not inside the sweep dir"),
+    (".", "hydra.sweep.subdir=.: job 0's dir {root}/a/sweep is not inside the sweep dir"),
+    ("same", "hydra.sweep.subdir=same: jobs 0 and 1 would share the dir {root}/a/sweep/same"),
+])
+def test_job_dirs_outside_the_sweep_dir_or_shared_are_refused_before_any_job(tmp_path, subdir, says):
+    result = normlab_here("train", "-m", *TINY, "lr=1e-3,3e-3", "hydra.sweep.dir=a/sweep", f"hydra.sweep.subdir={subdir}",
+                          cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("normlab: error: ") and says.replace("{root}", str(tmp_path)) in line, line
+    assert list(tmp_path.iterdir()) == []  # nothing written: no sweep dir, no job dir
+
+
 def test_a_nan_loss_stops_the_run_at_its_step(tmp_path, monkeypatch):
     cfg = tiny_config("layer", max_steps=8, log_every=3, eval_every=0)
     cfg.wandb.mode = "disabled"

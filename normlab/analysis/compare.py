@@ -32,8 +32,8 @@ def default_report_dir(paths: list[str], run_dirs: list[Path]) -> Path:
 
 
 def compare(paths: list[str], out: str | os.PathLike | None = None, formats: tuple[str, ...] = ("png",)) -> Path:
-    """Find the runs under `paths`, write report.md, the tables as CSV and JSON (exports.py) and the plots (in
-    each of `formats`) into the report dir, and return its path."""
+    """Find the runs under `paths` (a list of paths; one path alone is taken as one), write report.md, the tables
+    as CSV and JSON (exports.py) and the plots (in each of `formats`) into the report dir, and return its path."""
     return write_comparison(paths, out, formats)[1]
 
 
@@ -50,6 +50,10 @@ def parse_formats(text: str) -> tuple[str, ...]:
 def write_comparison(paths: list[str], out: str | os.PathLike | None = None,
                      formats: tuple[str, ...] = ("png",)) -> tuple[Comparison, Path]:  # fmt: skip
     """compare(), returning the comparison too."""
+    if isinstance(paths, (str, os.PathLike)):  # compare("outputs/"): one path, not its characters
+        paths = [paths]
+    if not paths:
+        raise CompareError("no path given: give a run dir, a sweep dir or the outputs/ root")
     run_dirs = find_run_dirs(paths)
     if not run_dirs:
         raise CompareError(f"no runs under {', '.join(map(str, paths))}: a run dir holds {SUMMARY}, {METRICS} or {CONFIG}")

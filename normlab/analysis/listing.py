@@ -20,7 +20,7 @@ from typing import Any
 from normlab import keys
 from normlab.analysis.records import METRICS, METRICS_CSV
 from normlab.analysis.runs import CONFIG, SUMMARY, CompareError, find_run_dirs
-from normlab.util.files import exclusive
+from normlab.util.files import exclusive, flock_holders
 
 SWEEP_MARKS = ("multirun.yaml", "sweep.log")  # a dir holding one of these is a sweep dir (Hydra's, normlab's)
 TAIL_BYTES = 64 * 1024  # of the metrics file: enough for its last rows
@@ -31,7 +31,7 @@ class Listed:
     """One run dir as `normlab ls` shows it."""
 
     path: str
-    status: str  # running | completed | diverged | failed | preempted | ... | incomplete (no summary, no lock)
+    status: str  # running | completed | diverged | failed | preempted | ... | incomplete (no summary, no lock) | damaged
     step: int | None
     max_steps: int | None
     final_val_loss: float | None
@@ -43,20 +43,8 @@ class Listed:
 
 def held_locks() -> set[tuple[int, int, int]] | None:
     """(major, minor, inode) of every file or dir an flock is held on, from /proc/locks; None without it."""
-    try:
-        text = Path("/proc/locks").read_text()
-    except OSError:
-        return None
-    held = set()
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) > 5 and fields[1] == "FLOCK":
-            try:
-                major, minor, inode = fields[5].split(":")
-                held.add((int(major, 16), int(minor, 16), int(inode)))
-            except ValueError:
-                continue
-    return held
+    holders = flock_holders()
+    return None if holders is None else set(holders)
 
 
 def is_locked(run_dir: Path, held: set[tuple[int, int, int]] | None) -> bool:
@@ -106,11 +94,17 @@ def _json_step(line: str) -> Any:
     return row.get("step") if isinstance(row, dict) else None
 
 
+def _without_status(run_dir: Path) -> str:
+    """The status of a run dir whose summary.json says none: `damaged` if it has one that is not a JSON object
+    (cut short, not UTF-8), else `incomplete` (killed before it wrote one)."""
+    return "damaged" if (run_dir / SUMMARY).exists() and not _json(run_dir / SUMMARY) else "incomplete"
+
+
 def listed(run_dir: Path, held: set[tuple[int, int, int]] | None, now: float) -> Listed:
     summary, config = _json(run_dir / SUMMARY), _json(run_dir / CONFIG)
     written = [p.stat().st_mtime for p in (run_dir / n for n in (SUMMARY, CONFIG, METRICS, METRICS_CSV)) if p.exists()]
     running = is_locked(run_dir, held)
-    status = "running" if running else str(summary.get("status") or "incomplete")
+    status = "running" if running else str(summary.get("status") or _without_status(run_dir))
     steps = summary.get("steps") if not running else None
     step = steps if isinstance(steps, int) and not isinstance(steps, bool) else last_step(run_dir)
     loss = keys.to_float(summary.get("final_val_loss")) if not running else math.nan

@@ -86,16 +86,33 @@ def _csv_row(cells: dict[str | None, Any]) -> dict[str, Any] | None:
     return row if _row_is_sound(row) else None
 
 
-_VALUE_TYPES = frozenset([int, float, str, type(None)])  # what JSON gives a number ("inf" too) or null; not bool
+_NUMBER_TYPES = frozenset([int, float, type(None)])  # what JSON gives a number or null (NaN); not bool
+
+
+def number_text(text: str) -> bool:
+    """A number written as text, as metrics are ("inf", "-inf", "nan", "1e-3")."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _row_is_sound(row: dict[str, Any]) -> bool:
-    """A metrics row compare can use: an integer step (if any) and number-like values where it reads numbers.
-    (Exact types, not isinstance: a row has a hundred values and a sweep thousands of rows.)"""
+    """A metrics row compare can use: an integer step (if any), and numbers, null or a number as text ("inf")
+    everywhere but in the text columns. (Exact types, not isinstance: a row has a hundred values and a sweep
+    thousands of rows.)"""
     step = row.get("step")
     if step is not None and type(step) is not int:
         return False
-    return all(type(value) in _VALUE_TYPES for key, value in row.items() if key != "status")
+    for key, value in row.items():
+        kind = type(value)
+        if kind is str:
+            if key not in TEXT_COLUMNS and not number_text(value):
+                return False
+        elif kind not in _NUMBER_TYPES:
+            return False
+    return True
 
 
 # keys.parse is a regular expression, and a sweep's rows share a few layouts of their hundred keys: the keys

@@ -9,6 +9,7 @@ diverged run, no divergence step for a completed one) is an em dash, never NaN.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,23 @@ def _cell(value: Any) -> str:
     return MISSING if value is None else str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def code(text: Any, in_table: bool = False) -> str:
+    """`text` as a Markdown code span, whatever backticks it holds (CommonMark: a fence of one backtick more than
+    its longest run of them, and a space inside where the text starts or ends with one); a newline as a space,
+    and in a table cell `|` escaped."""
+    text = str(text).replace("\n", " ")
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    span = f"{fence}{pad}{text}{pad}{fence}"
+    return span.replace("|", "\\|") if in_table else span
+
+
 def runs_section(comparison: Comparison) -> list[str]:
     rows = []
     for run in comparison.runs:
         tokens_per_s = run.tokens_per_s
         rows.append([
-            f"`{comparison.run_label(run)}`",
+            code(comparison.run_label(run), in_table=True),
             _cell(run.norm),
             _cell(run.placement),
             _cell(run.depth),
@@ -65,11 +77,11 @@ def runs_section(comparison: Comparison) -> list[str]:
     incomplete = [run for run in comparison.runs if run.status == "incomplete"]
     if incomplete:
         lines += ["", "Incomplete runs (no summary.json: killed, or still running):", ""]
-        lines += [f"- `{comparison.run_label(r)}`: last step {_cell(r.last_step)}" for r in incomplete]
+        lines += [f"- {code(comparison.run_label(r))}: last step {_cell(r.last_step)}" for r in incomplete]
     failed = [run for run in comparison.runs if run.status == "failed"]
     if failed:
         lines += ["", "Failed runs:", ""]
-        lines += [f"- `{comparison.run_label(r)}`: {_cell(r.summary.get('error', 'no error recorded'))}" for r in failed]
+        lines += [f"- {code(comparison.run_label(r))}: {_cell(r.summary.get('error', 'no error recorded'))}" for r in failed]
     return lines
 
 
@@ -178,7 +190,7 @@ def measure_note(comparison: Comparison) -> list[str]:
     tokenizers = sorted({run.tokenizer for run in comparison.runs})
     return [
         "",
-        f"The runs use different tokenizers ({', '.join(f'`{t}`' for t in tokenizers)}), so their losses per "
+        f"The runs use different tokenizers ({', '.join(code(t) for t in tokenizers)}), so their losses per "
         "token are not comparable: every validation loss below (ℓ, ℓ₀, ℓ*, and the LR sensitivity) is in bits "
         "per byte of the validation text (`val_bpb`), not nats per token. The training-loss plot stays per token.",
     ]
@@ -217,9 +229,14 @@ def not_started_section(comparison: Comparison) -> list[str]:
         "",
         "These runs failed before their first step (no metric row): they are in no arm, table or plot.",
         "",
-        *(f"- `{comparison.run_label(run)}`: {_cell(run.error)}" for run in comparison.not_started),
+        *(f"- {code(comparison.run_label(run))}: {_cell(run.error)}" for run in comparison.not_started),
         "",
     ]
+
+
+def _counted(n: int, noun: str) -> str:
+    """'1 run', '2 runs'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def write_report(comparison: Comparison, out: Path, plots: list[Plot], sources: list[str]) -> Path:
@@ -230,9 +247,9 @@ def write_report(comparison: Comparison, out: Path, plots: list[Plot], sources: 
         "",
         f"**{answer(comparison)}**",
         "",
-        f"{len(comparison.runs)} runs in {n_arms} arm{'s' if n_arms != 1 else ''}, read from "
-        + ", ".join(f"`{s}`" for s in sources)
-        + f". Run dirs are shown relative to `{comparison.root}`.",
+        f"{_counted(len(comparison.runs), 'run')} in {_counted(n_arms, 'arm')}, read from "
+        + ", ".join(code(s) for s in sources)
+        + f". Run dirs are shown relative to {code(comparison.root)}.",
         *measure_note(comparison),
         "",
         *answer_section(comparison),

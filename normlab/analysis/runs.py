@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
 from normlab import keys
-from normlab.analysis.records import METRICS, METRICS_FILES, layer_series, read_records
+from normlab.analysis.records import METRICS, METRICS_FILES, layer_series, number_text, read_records
 from normlab.config import flatten_config
 from normlab.util.errors import one_line
 
@@ -254,13 +255,29 @@ def load_run(path: Path) -> Run:
     return Run(path=path, summary=summary, settings=settings, rows=rows, bad_lines=bad_lines, metrics_file=metrics_file)
 
 
-def load_runs(*paths: str | os.PathLike) -> list[Run]:
+class SkippedRun(UserWarning):
+    """A run dir load_runs left out, as `normlab compare` leaves it out: the message says which and why."""
+
+
+def load_runs(*paths: str | os.PathLike, errors: str = "skip") -> list[Run]:
     """Every run dir at or under `paths` (run dirs, sweep dirs, the outputs/ root), loaded, sorted by path.
 
     For a notebook: `[{**run.settings, **run.summary} for run in load_runs("multirun/...")]` is a table,
-    one row per run. Raises CompareError for a path that does not exist or a run dir load_run cannot read.
+    one row per run. A run dir load_run cannot read (a damaged summary.json) is, with errors="skip" (the
+    default), left out with a SkippedRun warning saying "skipped <why>", as compare notes it; with
+    errors="raise", a CompareError. A path that does not exist raises CompareError either way.
     """
-    return [load_run(path) for path in sorted(find_run_dirs(paths))]
+    if errors not in ("skip", "raise"):
+        raise ValueError(f"errors={errors!r}: choose 'skip' or 'raise'")
+    runs = []
+    for path in sorted(find_run_dirs(paths)):
+        try:
+            runs.append(load_run(path))
+        except CompareError as err:
+            if errors == "raise":
+                raise
+            warnings.warn(f"skipped {err}", SkippedRun, stacklevel=2)
+    return runs
 
 
 # Summary keys compare computes with, and the JSON types each may hold (null is allowed for all).
@@ -277,17 +294,8 @@ def _check_summary_types(path: Path, summary: dict[str, Any]) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             allowed = " or ".join("a number" if t is float else {int: "an integer", str: "a string"}[t] for t in types)
             raise CompareError(f"{path}: {key}={json.dumps(value)[:60]} has the wrong type: it must be {allowed}")
-        if float in types and isinstance(value, str) and not _number_text(value):
+        if float in types and isinstance(value, str) and not number_text(value):
             raise CompareError(f"{path}: {key}={json.dumps(value)[:60]} is not a number: a number, or \"inf\", \"-inf\" or \"nan\" as text")
-
-
-def _number_text(text: str) -> bool:
-    """A number written as text, as metrics are ("inf", "nan", "1e-3")."""
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _read_config(run_dir: Path) -> dict[str, Any]:

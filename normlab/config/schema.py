@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, get_type_hints
 
-from normlab.config.parse import build_config, dotted_keys, format_lr, nearest_key, unknown_key_line
+from normlab.config.parse import build_config, check_types, dotted_keys, format_lr, nearest_key, unknown_key_line
 from normlab.config.registry import LABEL_SUFFIXES, NORM_TRAITS
 from normlab.config.validate import AUTO_FINAL_NORM, validate_run
 
@@ -246,7 +246,9 @@ class RunConfig:
         return self.norm
 
     def validate(self) -> None:
-        """ConfigError, one line, for the first value that cannot be trained (normlab.config.validate)."""
+        """ConfigError, one line, for the first value of the wrong type (checked as from_dict checks it) or that
+        cannot be trained (normlab.config.validate)."""
+        check_types(self)
         validate_run(self)
 
 

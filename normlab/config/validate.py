@@ -11,7 +11,7 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from normlab.config.errors import ConfigError
+from normlab.config.errors import ConfigError, shown
 from normlab.config.registry import NORM_TRAITS, NORMS, PLACEMENT_TRAITS, PLACEMENTS, SINK_NAMES, check_norm_knob
 
 INITS = ("normal", "xavier")
@@ -70,7 +70,7 @@ def check_choices(cfg: Any) -> None:
     _choice("qk_norm_axis", cfg.qk_norm_axis, QK_NORM_AXES)
     _choice("qk_norm_gains", cfg.qk_norm_gains, QK_NORM_GAINS)
     if cfg.final_norm != AUTO_FINAL_NORM and not isinstance(cfg.final_norm, bool):
-        raise ConfigError(f"final_norm={cfg.final_norm!r} is not allowed: choose auto (the placement's default), true or false")
+        raise ConfigError(f"final_norm={shown(cfg.final_norm)} is not allowed: choose auto (the placement's default), true or false")
     _choice("precision", cfg.precision, PRECISIONS)
     _choice("device", cfg.device, DEVICES)
     _choice("compile_mode", cfg.compile_mode, COMPILE_MODES)
@@ -81,7 +81,7 @@ def check_records(cfg: Any) -> None:
     """Where the run's records go: its name, wandb's mode and connection, and the sinks."""
     if cfg.name is not None and (not 1 <= len(cfg.name) <= NAME_MAX or cfg.name.startswith(".")
                                  or set("/\\") & set(cfg.name)):
-        raise ConfigError(f"name={cfg.name!r}: a run name has 1 to {NAME_MAX} characters, none of / \\, "
+        raise ConfigError(f"name={shown(cfg.name)}: a run name has 1 to {NAME_MAX} characters, none of / \\, "
                           "and does not start with . (null: the name made from the arm, depth, lr and seed)")
     if cfg.wandb.mode is not None:
         _choice("wandb.mode", cfg.wandb.mode, WANDB_MODES)
@@ -89,7 +89,7 @@ def check_records(cfg: Any) -> None:
     _positive("wandb.init_timeout", cfg.wandb.init_timeout)
     for sink in cfg.sinks:
         if not isinstance(sink, str) or sink not in SINK_NAMES:
-            raise ConfigError(f"sinks={cfg.sinks}: unknown sink {sink!r}; choose from {', '.join(SINK_NAMES)}")
+            raise ConfigError(f"sinks={cfg.sinks}: unknown sink {shown(sink)}; choose from {', '.join(SINK_NAMES)}")
 
 
 def check_sizes(cfg: Any) -> None:
@@ -116,7 +116,7 @@ def check_sizes(cfg: Any) -> None:
 def check_resume(cfg: Any) -> None:
     """resume names a way to start, and overwrite (start over) does not meet a checkpoint to continue."""
     if cfg.resume is not None and not cfg.resume.strip():
-        raise ConfigError(f"resume={cfg.resume!r}: {RESUME_CHOICES}")
+        raise ConfigError(f"resume={shown(cfg.resume)}: {RESUME_CHOICES}")
     if cfg.overwrite and cfg.resume not in (None, "auto"):
         raise ConfigError(f"overwrite=true starts the run over, resume={cfg.resume} continues one: choose one of them")
 
@@ -284,7 +284,7 @@ def check_data(cfg: Any) -> None:
         )
     if cfg.data.val_split not in (None, "auto") and cfg.data.source != "hf":
         raise ConfigError(
-            f"data.val_split={cfg.data.val_split!r} with data={cfg.data.source}: only data=hf has named splits; "
+            f"data.val_split={shown(cfg.data.val_split)} with data={cfg.data.source}: only data=hf has named splits; "
             "use data.val_fraction"
         )
 
@@ -327,12 +327,12 @@ def check_wandb_names(project: str | None, tags: list) -> None:
     bad = sorted(set(WANDB_PROJECT_FORBIDDEN) & set(project or ""))
     if project is not None and (not project or len(project) > WANDB_PROJECT_MAX or bad):
         raise ConfigError(
-            f"wandb.project={project!r}: a wandb project name has 1 to {WANDB_PROJECT_MAX} characters, none of "
+            f"wandb.project={shown(project)}: a wandb project name has 1 to {WANDB_PROJECT_MAX} characters, none of "
             f"{' '.join(WANDB_PROJECT_FORBIDDEN)}" + (f" (found {' '.join(bad)})" if bad else "")
         )
     for tag in tags:
         if not isinstance(tag, (str, int, float)) or isinstance(tag, bool) or not 1 <= len(str(tag)) <= WANDB_TAG_MAX:
-            raise ConfigError(f"wandb.tags: tag {tag!r} is not allowed: a wandb tag is a string of 1 to {WANDB_TAG_MAX} characters")
+            raise ConfigError(f"wandb.tags: tag {shown(tag)} is not allowed: a wandb tag is a string of 1 to {WANDB_TAG_MAX} characters")
 
 
 def _only_where_read(section: Any, group: str, chooser: str, readers: dict[str, tuple[str, ...]]) -> None:
@@ -360,7 +360,7 @@ def is_number(value: Any) -> bool:
 
 def _choice(key: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not allowed: choose one of {', '.join(allowed)}")
+        raise ConfigError(f"{key}={shown(value)} is not allowed: choose one of {', '.join(allowed)}")
 
 
 def _positive(key: str, value: float) -> None:

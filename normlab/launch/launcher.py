@@ -26,7 +26,8 @@ Each member stays an ordinary Hydra job. A pack is run in three passes over its 
      line on stderr and NaN, as a failed job gives: a FAILED JobReturn would make Hydra's sweeper raise
      after the batch, with no table).
 Hydra runs each member's job twice, and only pass 2 between them trains: so the callbacks see each job
-once, after it has ended, as they see an unpacked one. Pass 3 rewrites .hydra/ as pass 1 wrote it. A pack
+once, after it has ended, as they see an unpacked one. Pass 3 rewrites .hydra/ as pass 1 wrote it (not for a member
+whose dir went mid-run: task.gone_member answers it without run_job, which would make the dir again). A pack
 of one job is no pack: it runs as an unpacked job. Packs are the units: on the CPU they run in this
 process one after another (with cpu_jobs > 1, in workers); on a GPU machine each pack, like each
 unpacked job, takes one worker slot. Which jobs pack is decided before any job runs, by composing each
@@ -60,7 +61,7 @@ from normlab.config import RunConfig
 from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
 from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
-from normlab.launch.task import ended_job, member_result, pack_member, train_members
+from normlab.launch.task import ended_job, gone_member, member_result, pack_member, train_members
 from normlab.train.ending import drain
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ def run_pack(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config) -
         train_members(members)
     returns = []
     for sweep_config, member in zip(configs, members):  # pass 3: callbacks and returns
-        returns.append(_run(hydra_context, lambda cfg, member=member: member_result(member), sweep_config))
+        returns.append(gone_member(hydra_context, sweep_config, member)
+                       or _run(hydra_context, lambda cfg, member=member: member_result(member), sweep_config))
     return returns
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
+import shlex
 import unicodedata
 from pathlib import Path
 from types import UnionType
@@ -57,13 +58,32 @@ def _parse(overrides: list[str]) -> list:
         try:
             parsed += parser.parse_overrides([line])
         except OverrideParseException as err:
-            # Hydra's message: "Error parsing override ...", the parser's reason, then a link to the grammar.
-            lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-            reason = next((ln for ln in lines[1:] if not ln.startswith("See ")), lines[0] if lines else "")
-            raise ConfigError(
-                f"{line}: not an override normlab can read ({reason}); write key=value, +key=value, group=option or ~key"
-            ) from None
+            raise ConfigError(f"{line}: not an override normlab can read ({_parse_reason(str(err), line)}); write "
+                              "key=value, +key=value, group=option or ~key") from None
     return parsed
+
+
+LEXER_ERROR = "LexerNoViableAltException: "
+
+
+def _parse_reason(message: str, line: str) -> str:
+    """Hydra's refusal `message` of the override `line` in a few words. Hydra's lexer names no reason, only a
+    caret under the character it stopped at (`LexerNoViableAltException: name=a^b` over `      ^`): that
+    character is named, with the value quoted as Hydra reads it."""
+    lines = message.splitlines()
+    if lines and lines[0].startswith(LEXER_ERROR) and len(lines) > 1 and lines[1].strip() == "^":
+        at = len(lines[1]) - 1 - len(LEXER_ERROR)
+        key, eq, value = line.partition("=")
+        if 0 <= at < len(line) and eq and at > len(key):
+            quoted = f"{key}={quoted_value(value)}"
+            shell = shlex.quote(quoted) if set('"$`\\!') & set(quoted) else f'"{quoted}"'
+            return (f"{line[at]!r} at position {at - len(key) - 1} of the value cannot stand unquoted: quote it "
+                    f"as {quoted}, in a shell {shell}")
+        if 0 <= at < len(line):
+            return f"{line[at]!r} at position {at} cannot stand there"
+    # Hydra's message: "Error parsing override ...", the parser's reason, then a link to the grammar.
+    kept = [ln.strip() for ln in lines if ln.strip()]
+    return next((ln for ln in kept[1:] if not ln.startswith("See ")), kept[0] if kept else "")
 
 
 CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL", "\x1b": "an escape"}

@@ -5,7 +5,8 @@ Besides normlab.launch.overrides' checks of the command line and of each job's c
 the values of config groups and top-level keys (check_values), resume paths (precheck), every job a
 sweep launches, as the configured sweeper expands it (sweep_jobs), composed and validated whole
 (check_jobs, with `norm.KNOB=...` overrides forced so that a knob the norm lacks is named in one line),
-and packs (check_packing). All raise ConfigError.
+a grid sweep's job dirs (sweep_dirs.check_sweep_dirs: inside the sweep dir, and in a sweep run again, holding
+no records of another config) and packs (check_packing). All raise ConfigError.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from normlab.config.packing import pack_groups
 from normlab.launch.machine import check_machine
 from normlab.launch.overrides import check_command_line, check_composition, quoted_value
 from normlab.launch.resume import with_continue_command
+from normlab.launch.sweep_dirs import check_sweep_dirs
 
 CONFIG_MODULE = "normlab.conf"
 CONFIG_GROUPS = ("model", "norm", "data", "tokenizer", "optim", "experiment")
@@ -256,10 +258,10 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool, com
         jobs, grid = [list(overrides)], False
         if multirun:
             jobs, plugins, grid = _listed_jobs(hydra, overrides, config_dirs)
-        cfgs = []
+        cfgs, job_cfgs = [], []
         for num, job in enumerate(jobs):
             try:
-                cfgs.append(_check_job(hydra, job, config_dirs, RunConfig, composed or {}))
+                cfgs.append(_check_job(hydra, job, config_dirs, RunConfig, composed or {}, job_cfgs))
             except ConfigError as err:
                 where = job_label(num, jobs) if grid else " (in each of the sweep's trials)" if multirun else ""
                 raise ConfigError(f"{err}{where}") from None
@@ -269,6 +271,8 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool, com
         return  # Hydra reports what it cannot compose in its own words when it runs
     finally:
         GlobalHydra.instance().clear()
+    if grid:
+        check_sweep_dirs(job_cfgs, cfgs)
     check_packing(cfgs, plugins)
 
 
@@ -343,12 +347,13 @@ def _norm_knob_overrides(job: list[str]) -> tuple[list[tuple[str, str]], list[st
     return knobs, forced
 
 
-def _check_job(hydra, job: list[str], config_dirs: list[str], run_config, composed: dict):
+def _check_job(hydra, job: list[str], config_dirs: list[str], run_config, composed: dict, job_cfgs: list):
     """Check one job's values, compose its config (or take it from `composed`, by the overrides it was
-    composed with) and validate it; returns its RunConfig."""
+    composed with) and validate it; returns its RunConfig, and appends its composed config to `job_cfgs`."""
     check_values(OverridesParser.create().parse_overrides(job), config_dirs)
     knobs, forced = _norm_knob_overrides(job)
     cfg = composed.get(tuple(forced)) or hydra.compose_config("config", forced, run_mode=RunMode.RUN, from_shell=True)
+    job_cfgs.append(cfg)
     raw = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True)
     if raw.get("norm", {}).get("name") in NORM_TRAITS:
         for knob, value in knobs:

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf, open_dict
 from normlab.config import ConfigError, RunConfig, flatten_config
 from normlab.launch.paths import from_launch_dir
 from normlab.launch.resume import with_continue_command
+from normlab.launch.sweep_dirs import changed_records
 from normlab.train.sinks import RunDir, RunDirBusy
 
 
@@ -124,9 +125,9 @@ def _claimed(overrides: list[str], config_dirs: list[str], config_module: str, c
 def ended_line(cfg: RunConfig, run_dir: str | os.PathLike, ended: dict[str, Any], ignored: list[str] = ()) -> str:
     """The line for a run that already ended in `run_dir` (its summary `ended`): not trained again, and the
     command line's overrides that were therefore not applied (`ignored`)."""
-    line = (f"normlab: {cfg.run_name} already {ended['status']} in {run_dir}: not trained again "
-            "(overwrite=true trains it afresh)")
-    return line + (f"; not applied: {' '.join(ignored)}" if ignored else "")
+    from normlab.train.checkpoint import ended_message  # torch: not for `normlab train --help`
+
+    return ended_message(cfg, run_dir, ended) + (f"; not applied: {' '.join(ignored)}" if ignored else "")
 
 
 def not_applied(overrides: list[str], cfg: RunConfig, run_dir: Path) -> list[str]:
@@ -151,9 +152,12 @@ def not_applied(overrides: list[str], cfg: RunConfig, run_dir: Path) -> list[str
 
 def record_failure(run_dir: str | os.PathLike, cfg: RunConfig, err: BaseException) -> None:
     """summary.json of a sweep job that could not start (status failed, with the error), so the sweep's
-    records say what happened to it; metrics and checkpoints stay as they were."""
+    records say what happened to it; metrics and checkpoints stay as they were. Not where `run_dir` holds the
+    records of another config (sweep_dirs.changed_records): its summary.json is that run's, and stays."""
     from normlab.train.run import summary_head  # torch: not for `normlab train --help`, which imports this module
 
+    if changed_records(cfg, run_dir):
+        return
     RunDir(run_dir).write_summary({**summary_head(cfg), "status": "failed", "error": f"{type(err).__name__}: {err}"})
 
 

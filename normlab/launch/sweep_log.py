@@ -13,11 +13,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
+
+from normlab.launch import job_outcome
 
 LOG_NAME = "sweep.log"
 
@@ -45,14 +48,16 @@ def _job_num(run_dir: Path) -> str:
     return head if head.isdigit() else "?"
 
 
-def job_line(run_dir: Path, fallback_status: str = "failed") -> str:
+def job_line(run_dir: Path, fallback_status: str = "failed", noted: str | None = None) -> str:
     """One line for a job that ended: number, run name, status, final validation loss, the run's whole wall
     time (summary.json's wall_time_s: data, tokenizer and model set-up, the training loop and the records at
     the end; the run's own last line counts the training loop alone), run dir.
 
-    `fallback_status` is the status when the job wrote no summary.json."""
+    `fallback_status` is the status when the job wrote no summary.json; `noted`, the status the job's process
+    noted because its dir cannot tell it (job_outcome: the dir went, or another process holds it), wins over both,
+    and then the dir's summary.json, if any, is not the job's."""
     run_dir = Path(run_dir)
-    summary = read_summary(run_dir)
+    summary = read_summary(run_dir) if noted is None else {"name": _run_name(run_dir), "status": noted}
     name = (summary or {}).get("name") or run_dir.name
     loss = _loss(summary)
     wall = (summary or {}).get("wall_time_s")
@@ -60,6 +65,17 @@ def job_line(run_dir: Path, fallback_status: str = "failed") -> str:
     loss_text = f"{loss:.4f}" if math.isfinite(loss) else "-"
     return (f"job {_job_num(run_dir)} {name}: {_status(summary, fallback_status)}, "
             f"final val loss {loss_text}, run wall time {wall_text} (set-up included), {_shown(run_dir)}")
+
+
+def _run_name(run_dir: Path) -> str:
+    """The run name in a job dir's name `<num>_<run name>`, else the dir's name."""
+    head, _, rest = run_dir.name.partition("_")
+    return rest if head.isdigit() and rest else run_dir.name
+
+
+# job_line's text, read back for the jobs whose dir went (their line is all that is left of them).
+JOB_LINE = re.compile(r"job (?P<num>\S+) (?P<name>.+?): (?P<status>.+), final val loss (?P<loss>\S+), "
+                      r"run wall time (?P<wall>.+?) \(set-up included\), (?P<dir>.+)")
 
 
 def _shown(path: Path) -> str:
@@ -78,20 +94,22 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     )
 
 
-def sweep_table(sweep_dir: Path) -> str:
-    """Every job of the sweep, best final validation loss first (diverged, failed and unfinished jobs last,
+def sweep_table(sweep_dir: Path, log_start: int | None = None) -> str:
+    """Every job of the sweep, best final validation loss first (diverged, failed, busy and unfinished jobs last,
     their status in capitals; "run wall s" is summary.json's wall_time_s, as in job_line), then the sweep dir
-    and the `normlab compare` command to run next."""
+    and the `normlab compare` command to run next. A dir another process holds is busy; with `log_start` (the
+    size of sweep.log when the sweep began), a job whose dir went is listed from its line in sweep.log."""
     rows = []
     for d in job_dirs(sweep_dir):
         summary = read_summary(d)
         status = _status(summary, "failed")
-        loss = _loss(summary)
-        wall = (summary or {}).get("wall_time_s")
-        rows.append((math.isnan(loss), loss, _job_num(d), (summary or {}).get("name") or d.name,
-                     status if status == "completed" else status.upper(),
-                     f"{loss:.4f}" if math.isfinite(loss) else "-",
-                     f"{wall:.1f}" if isinstance(wall, (int, float)) else "-", d.name))
+        if status in ("failed", "running"):
+            status = job_outcome.busy(d) or status
+        rows.append(_row(_job_num(d), (summary or {}).get("name") or d.name, status, _loss(summary),
+                         (summary or {}).get("wall_time_s"), d.name))
+    if log_start is not None:
+        rows += [_row(m["num"], m["name"], m["status"], math.nan, None, Path(m["dir"]).name)
+                 for m in _gone_jobs(Path(sweep_dir), log_start)]
     rows.sort(key=lambda r: (r[0], r[1], int(r[2]) if r[2].isdigit() else math.inf))
     phases = phase_totals([read_summary(d) for d in job_dirs(sweep_dir)])
     header = ("job", "run", "status", "final val loss", "run wall s", "dir")
@@ -100,7 +118,8 @@ def sweep_table(sweep_dir: Path) -> str:
     lines = ["  ".join(str(c[i]).ljust(widths[i]) for i in range(len(header))).rstrip() for c in cells]
     counts = {}
     for r in rows:
-        counts[r[4].lower()] = counts.get(r[4].lower(), 0) + 1
+        word = r[4].split(":")[0].lower()
+        counts[word] = counts.get(word, 0) + 1
     tally = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
     return "\n".join([
         f"sweep: {len(rows)} jobs ({tally}), best first",
@@ -131,6 +150,30 @@ def phase_totals(summaries: list) -> str:
     return "time by phase, summed over the jobs: " + ", ".join(parts)
 
 
+def _row(num: str, name: str, status: str, loss: float, wall, dir_name: str) -> tuple:
+    """A table row: sort keys, then the cells (a status other than completed in capitals, its reason as it is)."""
+    word, colon, reason = status.partition(":")
+    return (math.isnan(loss), loss, num, name, status if status == "completed" else word.upper() + colon + reason,
+            f"{loss:.4f}" if math.isfinite(loss) else "-",
+            f"{wall:.1f}" if isinstance(wall, (int, float)) and not isinstance(wall, bool) else "-", dir_name)
+
+
+def _gone_jobs(sweep_dir: Path, log_start: int) -> list[re.Match]:
+    """The lines sweep.log gained from byte `log_start` on for jobs whose dir no longer exists, the last per dir."""
+    try:
+        with open(sweep_dir / LOG_NAME, "rb") as log:
+            log.seek(log_start)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return []
+    gone: dict[str, re.Match] = {}
+    for line in text.splitlines():
+        match = JOB_LINE.fullmatch(line)
+        if match and not Path(match["dir"]).exists():
+            gone[match["dir"]] = match
+    return list(gone.values())
+
+
 def report(text: str, sweep_dir: Path) -> None:
     """Print `text` and append it to the sweep's log file (one write, so concurrent jobs' lines stay whole)."""
     print(text, flush=True)
@@ -143,13 +186,20 @@ def report(text: str, sweep_dir: Path) -> None:
 class SweepReport(Callback):
     """Hydra callback: in a multirun, a line per job as it ends and the sorted table when the sweep ends."""
 
+    log_start = 0  # sweep.log's size when this sweep began: the table reads the lines it adds
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        log = Path(config.hydra.sweep.dir) / LOG_NAME
+        self.log_start = log.stat().st_size if log.is_file() else 0
+
     def on_job_end(self, config, job_return, **kwargs) -> None:
         if config.hydra.mode != RunMode.MULTIRUN:
             return
+        output_dir = Path(config.hydra.runtime.output_dir)
         fallback = "completed" if job_return.status == JobStatus.COMPLETED else "failed"
-        report(job_line(Path(config.hydra.runtime.output_dir), fallback), Path(config.hydra.sweep.dir))
+        report(job_line(output_dir, fallback, job_outcome.noted(output_dir)), Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.is_dir():
-            report(sweep_table(sweep_dir), sweep_dir)
+            report(sweep_table(sweep_dir, self.log_start), sweep_dir)

@@ -34,11 +34,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 import normlab.train.preempt as preempt
+from normlab.launch import job_outcome
 from normlab.config import ConfigError, RunConfig
 from normlab.launch.paths import from_launch_dir
 from normlab.launch.resolvers import register_resolvers
 from normlab.launch.resume import continue_command, with_continue_command
 from normlab.launch.rundir import discard_unstarted, ended_line, final_loss, record_failure
+from normlab.launch.sweep_dirs import changed_records, refusal
 from normlab.launch.sweep_log import read_summary
 from normlab.train.sinks import RunDirBusy, RunDirGone, WandbUnavailable, disk_full
 from normlab.util.errors import PREFIX, fail
@@ -110,7 +112,14 @@ def said(line: str) -> None:
     """`line` on stderr, once, and in the log files of the job (its normlab.log), but not again on the terminal
     through the log's console handler."""
     print(line, file=sys.stderr)
-    record = log.makeRecord(log.name, logging.WARNING, __file__, 0, line, None, None)
+    to_job_log(logging.WARNING, line)
+
+
+def to_job_log(level: int, line: str, err: BaseException | None = None) -> None:
+    """`line` (with `err`'s traceback, if given) in the log files of the job (its normlab.log) only, not on the
+    terminal: there, the job's one line says it."""
+    exc_info = (type(err), err, err.__traceback__) if err is not None else None
+    record = log.makeRecord(log.name, level, __file__, 0, line, None, exc_info)
     for handler in {*logging.getLogger().handlers, *log.handlers}:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
@@ -152,10 +161,12 @@ def ended_job(hydra_context, sweep_config: DictConfig) -> JobReturn | None:
     """A sweep job whose run already ended in its dir with this config, answered without Hydra's run_job, which
     would rewrite the dir's .hydra/ and append to its normlab.log: ended_loss's line, the callbacks' on_job_end
     (the sweep's line for the job) and a JobReturn as run_job gives it, so the dir stays byte for byte as it was.
-    None for any other job (a bad config too: run_job reports it)."""
+    A job whose dir holds the records of another config (a search sweeper's trial: a grid sweep's jobs are checked
+    before any runs, by sweep_dirs.check_sweep_dirs) stops the command with that check's line, exit code 2, its dir
+    untouched. None for any other job (a bad config too: run_job reports it)."""
     hydra = sweep_config.hydra
     output_dir = os.path.abspath(os.path.join(str(hydra.sweep.dir), str(hydra.sweep.subdir)))
-    if not os.path.isfile(os.path.join(output_dir, "summary.json")):
+    if not any(os.path.isfile(os.path.join(output_dir, name)) for name in ("summary.json", "config.json")):
         return None
     with read_write(hydra.runtime), open_dict(hydra.runtime):
         hydra.runtime.output_dir = output_dir  # as run_job sets it
@@ -164,14 +175,42 @@ def ended_job(hydra_context, sweep_config: DictConfig) -> JobReturn | None:
     with read_write(task_cfg), open_dict(task_cfg):
         del task_cfg["hydra"]
     try:
-        loss = ended_loss(job_config(task_cfg), output_dir)
+        run_cfg = job_config(task_cfg)
     except ConfigError:
         return None
+    changed = changed_records(run_cfg, output_dir)
+    if changed:
+        sys.exit(fail(refusal(Path(str(hydra.sweep.dir)).absolute(), [(int(hydra.job.num), run_cfg.run_name, changed)])))
+    loss = ended_loss(run_cfg, output_dir)
     if loss is None:
         return None
+    return _answered(hydra_context, sweep_config, task_cfg, loss)
+
+
+def gone_member(hydra_context, sweep_config: DictConfig, member: PackMember) -> JobReturn | None:
+    """A pack's member whose run dir went mid-run, answered after the pack trained without Hydra's run_job, which
+    would make its dir again at its path and write .hydra/ and normlab.log into it: member_result's one line (the
+    job's failure), the callbacks' on_job_end (the sweep's line for it) and a JobReturn. None for any other member."""
+    if not isinstance(member.error, RunDirGone):
+        return None
+    hydra = sweep_config.hydra
+    with read_write(hydra.runtime), open_dict(hydra.runtime):
+        hydra.runtime.output_dir = member.run_dir  # as run_job sets it
+    HydraConfig.instance().set_config(sweep_config)
+    task_cfg = copy.deepcopy(sweep_config)
+    with read_write(task_cfg), open_dict(task_cfg):
+        del task_cfg["hydra"]
+    return _answered(hydra_context, sweep_config, task_cfg, member_result(member))
+
+
+def _answered(hydra_context, sweep_config: DictConfig, task_cfg: DictConfig, value: float) -> JobReturn:
+    """The JobReturn of a sweep job answered without Hydra's run_job (HydraConfig set to `sweep_config`), as run_job
+    gives it, after the callbacks' on_job_end."""
+    hydra = sweep_config.hydra
     ret = JobReturn(overrides=list(hydra.overrides.task), cfg=task_cfg, status=JobStatus.COMPLETED,
-                    hydra_cfg=copy.deepcopy(HydraConfig.instance().cfg), _return_value=loss,
-                    working_dir=output_dir if hydra.job.chdir else os.getcwd(), task_name=str(hydra.job.name))
+                    hydra_cfg=copy.deepcopy(HydraConfig.instance().cfg), _return_value=value,
+                    working_dir=str(hydra.runtime.output_dir) if hydra.job.chdir else os.getcwd(),
+                    task_name=str(hydra.job.name))
     hydra_context.callbacks.on_job_end(config=sweep_config, job_return=ret)
     return ret
 
@@ -235,17 +274,19 @@ def _stop(err, unstarted: str | None = None) -> float:
 
 
 def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:
-    """A job that failed: one line on stderr (and the traceback in the job's log), its summary.json
+    """A job that failed: one line on stderr (and, in the job's normlab.log only, the traceback), its summary.json
     recorded unless `recorded` already; the sweep goes on (NaN for the sweeper) unless fail_fast, and
     a single run exits 1."""
     if not recorded:
         record_failure(hc.runtime.output_dir, run_cfg, err)
     name, multirun = run_cfg.run_name, hc.mode == RunMode.MULTIRUN
+    if job_outcome.status_of(err):  # its dir went, or is another process's: the sweep's line for it must say so
+        job_outcome.note(hc.runtime.output_dir, job_outcome.status_of(err))
     what = f"the disk is full ({err})" if disk_full(err) else f"{type(err).__name__}: {err}"
     if isinstance(err, RunDirGone):
         what = str(err)  # its normlab.log went with the dir: the line below is the whole account
     else:
-        log.error("job %s failed: %s", name, what, exc_info=None if disk_full(err) else err)
+        to_job_log(logging.ERROR, f"job {name} failed: {what}", None if disk_full(err) else err)
     print(f"{PREFIX}job {hc.job.num} ({name}) failed: {what}" if multirun else f"{PREFIX}{name} failed: {what}",
           file=sys.stderr)
     if not multirun or run_cfg.fail_fast:
@@ -306,7 +347,10 @@ def train_members(members: list[PackMember]) -> None:
             m.error, m.recorded = err, recorded or isinstance(err, RunDirBusy)
         return
     for m, summary in zip(training, summaries):
-        m.summary = summary
+        if isinstance(summary, RunDirGone):  # its dir went mid-run: nothing is on record, nor may be written
+            m.error, m.recorded = summary, True
+        else:
+            m.summary = summary
 
 
 def member_result(member: PackMember) -> float:

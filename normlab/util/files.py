@@ -88,3 +88,34 @@ def exclusive(lock_path: str | os.PathLike, wait: bool = True) -> Iterator[None]
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+
+def flock_holders() -> dict[tuple[int, int, int], int] | None:
+    """{(major, minor, inode): PID} of every file or dir an flock is held on, and the process holding it (in this
+    process's PID namespace), from /proc/locks, which takes no lock; None where it cannot be read."""
+    try:
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    held = {}
+    for line in table.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 16334 fe:00:2148306 0 EOF"; a process waiting for the lock has "->" after the number
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK":
+            try:
+                major, minor, inode = fields[5].split(":")
+                held[int(major, 16), int(minor, 16), int(inode)] = int(fields[4])
+            except ValueError:
+                continue
+    return held
+
+
+def lock_holder(path: str | os.PathLike) -> int | None:
+    """The id of the process that holds an flock on `path` (flock_holders), or None where none does or it cannot
+    be told (no /proc/locks, a path that is gone)."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return (flock_holders() or {}).get((os.major(found.st_dev), os.minor(found.st_dev), found.st_ino))

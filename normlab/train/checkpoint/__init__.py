@@ -41,6 +41,7 @@ from normlab.train.checkpoint.identity import (
 from normlab.train.checkpoint.resume import (
     ENDED,
     check_same_run,
+    ended_message,
     ended_run,
     find_checkpoint,
     UnreadableCheckpoint,
@@ -56,7 +57,7 @@ from normlab.train.checkpoint.rng import capture_rng, restore_rng
 __all__ = [
     "ABSENT", "CHECKPOINT_DIR", "ENDED", "FORMAT", "MAY_CHANGE_ON_RESUME",
     "Checkpoint", "CheckpointError", "Checkpointer", "UnreadableCheckpoint", "NamedStateful", "Stateful", "TrainStateLike",
-    "capture_rng", "check_same_run", "checkpoint_path", "config_difference", "config_differences", "ended_run",
+    "capture_rng", "check_same_run", "checkpoint_path", "config_difference", "config_differences", "ended_message", "ended_run",
     "find_checkpoint",
     "holds_records", "latest_checkpoint", "list_checkpoints", "load_newest", "may_change", "resolve_resume", "restore_rng", "rewind",
     "rewind_metrics", "run_dir_of", "write_atomic",

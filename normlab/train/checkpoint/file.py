@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -104,7 +105,11 @@ class Checkpoint:
         """Read `path` safely (weights_only); raise CheckpointError naming the file if it is not a normlab checkpoint."""
         path = Path(path)
         try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():
+                # A pickle of another protocol than torch's own (a crafted file) makes torch warn in two lines
+                # before it refuses or reads it: the refusal below, or the checks after, say what matters.
+                warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+                payload = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise CheckpointError(f"{path}: no such checkpoint") from None
         except Exception as err:

@@ -56,6 +56,12 @@ def ended_run(cfg: RunConfig, run_dir: str | os.PathLike) -> dict[str, Any] | No
     return summary if config_difference(flatten_config(saved), cfg) is None else None
 
 
+def ended_message(cfg: RunConfig, run_dir: str | os.PathLike, ended: dict[str, Any]) -> str:
+    """The line for a run that already ended in `run_dir` (its summary `ended`, ended_run's): not trained again."""
+    return (f"normlab: {cfg.run_name} already {ended['status']} in {run_dir}: not trained again "
+            "(overwrite=true trains it afresh)")
+
+
 def resolve_resume(cfg: RunConfig, run_dir: str | os.PathLike) -> Checkpoint | None:
     """The checkpoint this run continues from, per `cfg.resume`, checked against `cfg`; None for a fresh start.
 

@@ -28,7 +28,7 @@ from normlab.train.pack.telemetry import PackedProbe
 from normlab.train.preempt import Preempted
 from normlab.train.probe_norms import EpsWarnings
 from normlab.train.runtime import autocast
-from normlab.train.sinks import RunDir, Sink
+from normlab.train.sinks import RunDir, RunDirGone, Sink
 
 log = logging.getLogger("normlab")
 
@@ -48,10 +48,11 @@ class Member:
     report: RunReport | None = None
     resumed: Checkpoint | None = None
     checkpointer: Checkpointer | None = None
+    gone: RunDirGone | None = None  # its run dir went mid-run: it stopped there, and writes nothing more
 
     @property
     def active(self) -> bool:
-        return self.diverged_step is None
+        return self.diverged_step is None and self.gone is None
 
     def emit(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:
@@ -121,6 +122,7 @@ class PackLoop:
         if self.bar is not None:
             self.bar.on_train_start(clock_state)
         preempt.training_started()
+        self._check_dirs(self.start_step)
         for step in range(self.start_step, base.max_steps + 1):
             records = {i: {"step": step, "tokens": m.tokens} for i, m in enumerate(self.members) if m.active}
             evaluated = (base.eval_every > 0 and step % base.eval_every == 0) or step == base.max_steps
@@ -147,6 +149,7 @@ class PackLoop:
             if self.bar is not None:
                 self.bar.on_step_end(clock_state, self._bar_record(records) if logged and records else None)
             self._step_boundary(step + 1)
+        self._check_dirs(base.max_steps)
         self.save(base.max_steps)  # the members that completed (diverged ones keep their last periodic checkpoint)
         clock_state.tokens = max(m.tokens for m in self.members)
         self.clock_summary: dict[str, Any] = {}
@@ -161,8 +164,21 @@ class PackLoop:
             if warning:
                 log.warning("%s: %s", self.cfgs[i].run_name, warning)
 
+    def _check_dirs(self, step: int) -> None:
+        """An unpacked run's RunDirWatch, per member: a member whose run dir went (deleted, moved or replaced:
+        RunDir.check_in_place) stops at `step`, trains no more and writes nothing more, not even at its end
+        (its RunDirGone is how it ended); the other members train on. One stat per member."""
+        for member in self.members:
+            if member.gone is None:
+                try:
+                    member.run_dir.check_in_place(step)
+                except RunDirGone as gone:
+                    member.gone = gone
+
     def _step_boundary(self, step: int) -> None:
-        """After `step` updates: a periodic checkpoint when due, and on a preemption signal a checkpoint and Preempted."""
+        """After `step` updates: each member's run dir still in place (_check_dirs), a periodic checkpoint when due,
+        and on a preemption signal a checkpoint and Preempted."""
+        self._check_dirs(step)
         signum = preempt.requested()
         if signum is not None or self.members[0].checkpointer.due(step):
             self.save(step)

@@ -35,7 +35,7 @@ from normlab.train.run import record_end, summary_head, with_model_vocab
 from normlab.train.runtime import (
     configure_determinism, configure_host_allocator, configure_matmul, resolve_device, resolve_precision, seed_everything,
 )
-from normlab.train.sinks import RunDir, SinkContext, open_sinks
+from normlab.train.sinks import RunDir, RunDirGone, SinkContext, open_sinks
 
 log = logging.getLogger("normlab")
 
@@ -70,10 +70,11 @@ def check_pack(cfgs: Sequence[RunConfig]) -> None:
         )
 
 
-def train_pack(members: Sequence[tuple[RunConfig, str | os.PathLike]]) -> list[dict[str, Any]]:
+def train_pack(members: Sequence[tuple[RunConfig, str | os.PathLike]]) -> list[dict[str, Any] | RunDirGone]:
     """Train `members` (config, run dir) as one pack; write each run dir as train.train does; return their
-    summaries in order. Every run dir is locked for the pack. On an exception every member's summary.json
-    records the failure, and the exception propagates."""
+    summaries in order, or for a member whose run dir went mid-run, the RunDirGone that stopped it (nothing more
+    is written at its path; the others trained on). Every run dir is locked for the pack. On an exception every
+    member's summary.json records the failure, and the exception propagates."""
     cfgs = [cfg for cfg, _ in members]
     check_pack(cfgs)
     run_dirs = [RunDir(path) for _, path in members]
@@ -107,8 +108,8 @@ def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
                 _open_run(member, corpus)
         with phases.time("train"):  # the packed model's build, steps, evaluations and checkpoints
             results = _fit_pack(members, corpus)
-        for summary, result in zip(summaries, results):
-            summary.update(result)
+        for member, summary, result in zip(members, summaries, results):
+            summary.update(result if member.gone is None else {"status": "failed", "error": f"RunDirGone: {member.gone}"})
         exit_code = 0
     except Preempted as stop:
         start = members[0].resumed.step if members[0].resumed else 0
@@ -126,12 +127,14 @@ def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
         troubles = []
         for member, summary in zip(members, summaries):
             summary["phases_shared_by"] = len(members)  # the pack's phases: a sweep's totals count them once
-            troubles.append(record_end(member.run_dir, summary, member.sinks, exit_code, phases, started))
+            # A gone member's summary is not written (record_end): its sinks finish as a failed run's.
+            troubles.append(record_end(member.run_dir, summary, member.sinks, 1 if member.gone else exit_code, phases,
+                                       started))
         run_ended()
     trouble = next((t for t in troubles if t is not None), None)
     if trouble is not None:
         raise trouble
-    return summaries
+    return [summary if member.gone is None else member.gone for member, summary in zip(members, summaries)]
 
 
 def _resume_points(members: list[Member]) -> None:
@@ -180,7 +183,7 @@ def build_pack(cfgs: Sequence[RunConfig], device: torch.device) -> tuple[PackedM
 
 
 def _fit_pack(members: list[Member], corpus: Corpus) -> list[dict[str, Any]]:
-    """Build the pack, run its steps, and return each member's results."""
+    """Build the pack, run its steps, and return each member's results ({} for a member whose run dir went)."""
     cfgs = [with_model_vocab(m.cfg, corpus) for m in members]
     base = cfgs[0]
     device = resolve_device(base.device)
@@ -211,7 +214,7 @@ def _fit_pack(members: list[Member], corpus: Corpus) -> list[dict[str, Any]]:
         if loop.bar is not None:
             loop.bar.on_train_stop(None)  # closed before the line that says why the pack stopped
         raise
-    return [loop.result(i, batchnorm, corpus) for i in range(len(members))]
+    return [loop.result(i, batchnorm, corpus) if member.gone is None else {} for i, member in enumerate(members)]
 
 
 def _next_batches(cfgs: Sequence[RunConfig], loaders) -> tuple[torch.Tensor, torch.Tensor]:

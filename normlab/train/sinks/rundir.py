@@ -14,18 +14,28 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from normlab.util.files import exclusive, write_bytes_atomic, write_json_atomic
+from normlab.util.files import exclusive, lock_holder, write_bytes_atomic, write_json_atomic
 
 RESERVE_NAME = ".summary.reserve"
 RESERVE_BYTES = 256 * 1024  # room kept for summary.json, so a run that fills the disk still records how it ended
 
 
 class RunDirBusy(RuntimeError):
-    """Another process is writing this run dir; the message is one line."""
+    """Another process is writing this run dir; the message is one line. `holder`: that process's id, where the
+    kernel tells it."""
+
+    def __init__(self, message: str, holder: int | None = None):
+        super().__init__(message)
+        self.holder = holder
 
 
 class RunDirGone(RuntimeError):
-    """The run dir was deleted, moved or replaced while the run wrote it; the message is one line."""
+    """The run dir was deleted, moved or replaced while the run wrote it; the message is one line. `what` and `step`:
+    what became of it ("deleted or moved away", "replaced by another") and the step at which the run noticed."""
+
+    def __init__(self, message: str, what: str = "", step: int | None = None):
+        super().__init__(message)
+        self.what, self.step = what, step
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -81,7 +91,7 @@ class RunDir:
             raise RunDirGone(
                 f"the run dir {self.path} was {what} during the run (noticed at step {step}): the run stopped there; "
                 "what it had written (metrics.jsonl, config.json, normlab.log, checkpoints) went with that dir, "
-                "and nothing more is written at this path"
+                "and nothing more is written at this path", what, step
             )
 
     @property
@@ -139,8 +149,11 @@ class RunDir:
                 try:
                     held.enter_context(exclusive(key, wait=False))
                 except BlockingIOError:
+                    holder = lock_holder(key)
+                    who = f"another normlab run (PID {holder})" if holder else "another normlab run"
                     raise RunDirBusy(
-                        f"{self.path} is in use: another normlab run is writing it; wait for that run to end, or choose another run dir"
+                        f"{self.path} is in use: {who} is writing it; wait for that run to end, or choose another run dir",
+                        holder,
                     ) from None
                 _HELD[key] = [0, held]
             _HELD[key][0] += 1

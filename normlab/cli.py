@@ -7,6 +7,8 @@ needs them, so `normlab --help` answers at once.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import sys
 
@@ -42,6 +44,9 @@ examples:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Registered first, so run last, after wandb's own exit handler: what is still alive is left to the process's
+    # end, not walked by the interpreter's last collection (a second of CPU once torch._dynamo is imported).
+    atexit.register(gc.freeze)
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")

@@ -11,6 +11,7 @@ import normlab.launch.launcher as launcher
 from normlab.launch.launcher import plan_slots, threads_per_job, visible_gpus
 from cli_here import normlab_here
 from test_cli import TINY, run_dirs
+from wandb_log import finished_run_records
 
 
 def test_slots_are_dealt_round_robin_over_the_gpus():
@@ -81,6 +82,11 @@ def test_two_jobs_at_once_on_the_cpu_equal_the_sequential_sweep(tmp_path):
     assert all(status == "completed" for status, _, _ in seq.values())
     for name in seq:
         assert f"job {name.split('_')[0]} {name.split('_', 1)[1]}: completed" in concurrent.stdout
+    for name in conc:  # each job's end ran in its worker's end thread, done before the command returned
+        summary = json.loads((tmp_path / "conc" / name / "summary.json").read_text())
+        assert {"products", "sinks"} <= set(summary["phases"])
+        [wandb_file] = (tmp_path / "conc" / name).glob("wandb/offline-run-*/run-*.wandb")
+        assert "exit" in [r.WhichOneof("record_type") for r in finished_run_records(wandb_file)]
 
 
 def test_composed_once_hands_the_validated_config_to_the_launch_once_and_keeps_nothing_after():

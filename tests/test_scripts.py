@@ -358,3 +358,15 @@ def test_depth_block_angle_says_in_one_line_when_no_run_logged_the_block_angle(t
     out = script_here("depth_block_angle.py", str(sweep), "--figure", str(tmp_path / "angle.png"), cwd=tmp_path)
     assert out.splitlines()[2] == "| pre (Pre-LN) | 3e-3 | 1 | 2.500 | — | — | — | 3 |"
     assert out.splitlines()[-1].startswith("no act/block_angle in these runs") and not (tmp_path / "angle.png").exists()
+
+
+def test_overhead_bench_times_both_commands_against_the_base(tmp_path):
+    out = script("overhead_bench.py", "--repeats", "1", "--jobs", "2", "--cpu-jobs", "1", "--steps", "2", *TINY[1:],
+                 "wandb.mode=disabled", "telemetry.every=0", cwd=tmp_path)
+    assert re.search(r"^base \w+: \S+/base/normlab/__init__\.py \S+/base/normlab/conf$", out, re.M)
+    for name in ("base", "new"):
+        single = re.search(rf"^  {name}\s+{NUMBER} s wall\s+{NUMBER} s CPU", out, re.M)
+        assert single and float(single.group(1)) > 0 and float(single.group(2)) > 0
+        sweep = re.search(rf"^  {name}\s+{NUMBER} s wall\s+{NUMBER} s CPU; training loops\s+{NUMBER} s by phases "
+                          rf"\(outside\s+{NUMBER}%\),\s+{NUMBER} s by train_time_s", out, re.M)
+        assert sweep and 0 < float(sweep.group(3)) < float(sweep.group(1)) and 0 < float(sweep.group(4)) < 100

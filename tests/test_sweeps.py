@@ -170,7 +170,7 @@ def test_experiment_presets_compose_to_their_sweeps():
     assert depth.hydra.sweeper.params.depth == "2,4,8,16"
 
 
-def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_the_first_freezes_what_lives():
+def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_the_first_two_freeze_what_lives():
     import gc
     import weakref
 
@@ -195,6 +195,10 @@ def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_the_first_free
         settle_garbage()  # the process's first job
         assert freed() is None
         assert gc.get_freeze_count() > 0 and not any(o is alive for o in gc.get_objects())
+        # The second job: what the first left alive (what it imported) is frozen too.
+        imported = cycle()
+        settle_garbage()
+        assert not any(o is imported for o in gc.get_objects())
         # A later job: what the job before left is collected, and nothing more is frozen.
         later = cycle()
         frozen = gc.get_freeze_count()

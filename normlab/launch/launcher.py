@@ -62,6 +62,7 @@ from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
 from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
 from normlab.launch.task import ended_job, gone_member, member_result, pack_member, train_members
+from normlab.train.ending import drain
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,7 @@ class NormlabLauncher(BasicLauncher):
             with composed.launch() if isinstance(composed, ComposedOnce) else contextlib.nullcontext():
                 return self._launch(job_overrides, initial_job_idx)
         finally:
+            drain()  # the jobs' ends (normlab.train.ending) are done before the sweep's table reads their summaries
             gc.unfreeze()  # what normlab.launch.task.settle_garbage froze for the sweep's jobs
 
     def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:

@@ -13,7 +13,10 @@
     checkpoint   saving checkpoints
     products     the end-of-run products: the per-layer table and heatmaps
 They are measured one by one (nothing is a remainder), so their sum is the job's time: `startup` plus
-summary.json's wall_time_s, less what no phase covers (a few milliseconds).
+summary.json's wall_time_s, less what no phase covers (a few milliseconds). A sweep's job hands its end
+over (normlab.train.ending): its `products` and the `sinks`' finish then run while the next job does, and
+the next job's `startup` counts from the hand-over, so a sweep's phases may add up to more than its slots'
+time.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from normlab.train.callbacks import (
     ThroughputClock, progress,
 )
 from normlab.train.checkpoint import Checkpoint, CheckpointError, Checkpointer, resolve_resume, rewind
+from normlab.train.ending import RunEnd, drain, hand_over, record_end
 from normlab.train.environment import run_environment
 from normlab.train.loop import batch_loader, emit, held_out_batches, run_steps
 from normlab.train.optim import param_groups
@@ -47,13 +48,13 @@ from normlab.train.runtime import (
     compile_model, compile_steps, configure_determinism, configure_host_allocator, configure_matmul, resolve_device,
     resolve_precision, seed_everything,
 )
-from normlab.train.sinks import RunDir, Sink, SinkContext, finish_all, open_sinks
+from normlab.train.sinks import RunDir, Sink, SinkContext, open_sinks
 from normlab.train.state import TrainState
 
 
 def train(
     cfg: RunConfig, run_dir: str | RunDir, sinks: list[Sink] | None = None, callbacks: Sequence[Callback] = (),
-    echo: bool = True,
+    echo: bool = True, defer_end: bool = False,
 ) -> dict[str, Any]:
     """Train one model as `cfg` says; write config.json and summary.json into `run_dir`; return the summary.
 
@@ -71,12 +72,16 @@ def train(
     The run says what it does as `normlab train` does: a first line (name, device, precision, parameters, run
     dir) and a last (status, losses, tokens/s), in the run dir's normlab.log and, with `echo`, on the terminal
     (normlab.train.runlog).
+
+    With `defer_end` (a sweep's job), a completed run returns once its summary.json says how it ended, and the rest
+    of its end (the end-of-run products, the sinks' finish, summary.json again with their time) runs in this
+    process's end thread (normlab.train.ending), under the run dir's lock; `ending.drain()` waits for it.
     """
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     writes = distributed.is_main()
     with run_dir.lock() if writes else contextlib.nullcontext(), preempt.starting(), \
             run_log(run_dir.path, echo) if writes else contextlib.nullcontext():
-        return _train_in(cfg, run_dir, sinks, callbacks, writes)
+        return _train_in(cfg, run_dir, sinks, callbacks, writes, RunEnd() if defer_end and writes else None)
 
 
 def summary_head(cfg: RunConfig) -> dict[str, Any]:
@@ -97,7 +102,7 @@ def summary_head(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _train_in(cfg: RunConfig, run_dir: RunDir, sinks: list[Sink] | None, callbacks: Sequence[Callback],
-              writes: bool) -> dict[str, Any]:
+              writes: bool, end: RunEnd | None) -> dict[str, Any]:
     """train() inside the run dir's lock: refuse, or change the run dir, train, and record how it ended."""
     started, phases = time.time(), Phases()
     startup = startup_seconds(started)
@@ -122,13 +127,15 @@ def _train_in(cfg: RunConfig, run_dir: RunDir, sinks: list[Sink] | None, callbac
                                         world_size=distributed.world_size(), writes=writes)
         if writes:
             _open_run_dir(cfg, run_dir, corpus, resumed, wandb_run_id, sinks, opened, phases)
-        summary.update(_fit(cfg, corpus, opened, checkpointer, resumed, callbacks, run_dir if writes else None, phases))
+        summary.update(_fit(cfg, corpus, opened, checkpointer, resumed, callbacks, run_dir if writes else None, phases,
+                            end))
         exit_code = 0  # a diverged run is an outcome, not a failure
     except Preempted as stop:
         if stop.step is None:  # stopped before the first step: the run is where it started
             stop.step = resumed.step if resumed else 0
         summary.update(status=stop.status, preempted_step=stop.step)
         exit_code = 128 + stop.signum
+        drain()  # the process may end with the signal: the earlier runs' ends first
         raise
     except CheckpointError:
         writes = False  # the run dir stays as it was
@@ -139,7 +146,11 @@ def _train_in(cfg: RunConfig, run_dir: RunDir, sinks: list[Sink] | None, callbac
         raise
     finally:
         preempt.training_started()  # no signal may cut the records of the run's end short
-        trouble = record_end(run_dir if writes else None, summary, opened, exit_code, phases, started)
+        if end is not None and exit_code == 0:
+            trouble = hand_over(run_dir, summary, opened, phases, started, end)
+        else:
+            trouble = record_end(run_dir if writes else None, summary, opened, exit_code, phases, started,
+                                 end.tasks if end is not None else ())
         run_ended()
     if trouble is not None:
         raise trouble  # training went well, but its records could not all be written
@@ -164,35 +175,6 @@ def _open_run_dir(cfg: RunConfig, run_dir: RunDir, corpus: Corpus, resumed: Chec
                 open_sinks(context, into=opened)
             else:
                 opened.extend(sinks)
-
-
-def record_end(run_dir: RunDir | None, summary: dict[str, Any], sinks: list[Sink], exit_code: int,
-               phases: Phases | None = None, started: float | None = None) -> BaseException | None:
-    """Write summary.json (into `run_dir`, when given) and finish every sink, whatever fails on the way;
-    return the first failure, or None. With `phases`, summary.json is written again once the sinks are
-    finished, with their time and the whole wall time since `started`."""
-    trouble: BaseException | None = None
-    writes = run_dir is not None and run_dir.gone() is None  # never into a dir made again at a vanished one's path
-
-    def write() -> None:
-        nonlocal trouble
-        if started is not None:
-            summary["wall_time_s"] = round(time.time() - started, 3)
-        if phases is not None:
-            summary["phases"] = phases.record()
-        if writes and trouble is None:
-            try:
-                with phases.time("setup") if phases is not None else contextlib.nullcontext():
-                    run_dir.write_summary(summary)
-            except Exception as err:
-                trouble = err
-
-    write()
-    with phases.time("sinks") if phases is not None else contextlib.nullcontext():
-        finished = finish_all(sinks, summary, exit_code)
-    if phases is not None:
-        write()
-    return trouble or finished
 
 
 def check_resumable(cfg: RunConfig, checkpoint: Checkpoint, extra: Sequence[Callback] = ()) -> None:
@@ -236,13 +218,14 @@ def build_state(cfg: RunConfig, device: torch.device, precision: str) -> TrainSt
 
 def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], checkpointer: Checkpointer,
                        device: torch.device, extra: Sequence[Callback] = (), run_dir: RunDir | None = None,
-                       net: nn.Module | None = None) -> list[Callback]:
+                       net: nn.Module | None = None, end: RunEnd | None = None) -> list[Callback]:
     """The loop's callbacks in hook order, `extra` ones before checkpointing (which saves them all); given the
     `run_dir` the run writes, first of all its watch (RunDirWatch), so no callback writes into a vanished dir.
     `net`: what telemetry steps run (the DDP wrapper under torchrun; by default the model).
 
     The guard comes first (it stops a diverged step before anything measures it), then telemetry, then
-    the clock (whose step time so includes telemetry's cost), then what reads the finished record.
+    the clock (whose step time so includes telemetry's cost), then what reads the finished record. Given the run's
+    `end`, the end-of-run products are made there (normlab.train.ending), not in on_train_end.
     """
     callbacks: list[Callback] = [RunDirWatch(run_dir)] if run_dir is not None else []
     callbacks += [
@@ -251,7 +234,7 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
         Telemetry(Probe(state.model, cfg.telemetry.every, cfg.max_steps, net, compiled=cfg.compile)),
         ThroughputClock(cfg.batch_size * cfg.seq_len, compile_steps(cfg, device), model_flops_per_token(cfg),
                         peak_flops(device, resolve_precision(cfg.precision, device), cfg.tf32), device),
-        TelemetryProducts(sinks),
+        TelemetryProducts(sinks, later=end.add if end is not None else None),
     ]
     if distributed.is_main():
         callbacks.append(RunReport(cfg.run_name, resolve_precision(cfg.precision, device), str(checkpointer.run_dir)))
@@ -263,7 +246,7 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
 
 
 def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkpointer, resumed: Checkpoint | None,
-         extra: Sequence[Callback], run_dir: RunDir | None, phases: Phases) -> dict[str, Any]:
+         extra: Sequence[Callback], run_dir: RunDir | None, phases: Phases, end: RunEnd | None) -> dict[str, Any]:
     """Build everything, restore a checkpoint if resuming, run the steps; return the run's results."""
     with phases.time("model"):
         cfg = with_model_vocab(cfg, corpus)
@@ -279,7 +262,7 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkp
         # Evaluation runs eager `net`/`model` (telemetry steps the Probe's forward of `net`, compiled under
         # compile=true); checkpoints hold `model`, so no `_orig_mod.` keys.
         fast = compile_model(net, cfg.compile_mode, device) if cfg.compile else net
-        callbacks = standard_callbacks(cfg, state, sinks, checkpointer, device, extra, run_dir, net)
+        callbacks = standard_callbacks(cfg, state, sinks, checkpointer, device, extra, run_dir, net, end)
         if resumed is not None:
             resumed.restore(state, callbacks)
         for callback in callbacks:

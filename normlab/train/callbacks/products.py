@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from normlab import keys
 from normlab.train.callbacks.base import Callback
@@ -18,8 +18,11 @@ class TelemetryProducts(Callback):
     name = "telemetry_products"
     HEATMAPS = {keys.RESID_RMS: "telemetry/resid_rms", keys.GRAD_NORM: "telemetry/grad_norm"}
 
-    def __init__(self, sinks: Sequence[Sink]):
+    def __init__(self, sinks: Sequence[Sink], later: Callable[[Callable[[], None]], None] | None = None):
+        """`later`: given, the products are made by the task it is handed (a sweep's job hands it to the run's
+        end, normlab.train.ending), not at once in on_train_end."""
         self.sinks = sinks
+        self.later = later
         self.records: list[dict[str, Any]] = []
 
     def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None:
@@ -30,6 +33,13 @@ class TelemetryProducts(Callback):
     def on_train_end(self, state: TrainState, summary: dict[str, Any]) -> None:
         if summary.get("status") != "completed" or not self.records or not self.sinks:
             return
+        if self.later is None:
+            self.write()
+        else:
+            self.later(self.write)
+
+    def write(self) -> None:
+        """Make the table and the heatmaps of the records kept so far and hand them to every sink."""
         # Here, not at the top: it imports matplotlib, slow and needed only at the end of a completed run.
         from normlab.analysis.heatmap import layer_heatmap
 

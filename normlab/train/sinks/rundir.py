@@ -10,8 +10,9 @@ import errno
 import io
 import math
 import os
+import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from normlab.util.files import exclusive, lock_holder, write_bytes_atomic, write_json_atomic
 
@@ -59,9 +60,11 @@ def disk_full(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-# The run dirs this process holds locked: path -> holders. flock locks belong to an open file, so a second
-# lock of the same dir in this process (the Hydra layer's, then train()'s) reuses the first.
-_HELD: dict[Path, int] = {}
+# The run dirs this process holds locked: path -> [holders, what releases the lock]. flock locks belong to an open
+# file, so a second hold of the same dir in this process (the Hydra layer's, then train()'s, then a run's end in
+# the end thread: normlab.train.ending) shares the first; the last release, whichever it is, unlocks.
+_HELD: dict[Path, list] = {}
+_HELD_LOCK = threading.Lock()
 
 
 class RunDir:
@@ -130,9 +133,19 @@ class RunDir:
         """Hold the run dir's lock (an flock on the directory itself, so no file is added) for the duration;
         raise RunDirBusy at once if another process holds it. The kernel drops the lock when its process
         dies, however it dies."""
+        release = self.hold()
+        try:
+            yield
+        finally:
+            release()
+
+    def hold(self) -> Callable[[], None]:
+        """Hold the run dir's lock (as lock() does) until the function returned is called, from any thread; holds
+        in this process share the lock, and the last one released unlocks it."""
         key = self.path.resolve()
-        with contextlib.ExitStack() as held:
+        with _HELD_LOCK:
             if key not in _HELD:
+                held = contextlib.ExitStack()
                 try:
                     held.enter_context(exclusive(key, wait=False))
                 except BlockingIOError:
@@ -142,12 +155,23 @@ class RunDir:
                         f"{self.path} is in use: {who} is writing it; wait for that run to end, or choose another run dir",
                         holder,
                     ) from None
-                held.callback(_HELD.pop, key)
-            _HELD[key] = _HELD.get(key, 0) + 1
-            try:
-                yield
-            finally:
-                _HELD[key] -= 1
+                _HELD[key] = [0, held]
+            _HELD[key][0] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with _HELD_LOCK:
+                if released:
+                    return
+                released = True
+                entry = _HELD[key]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del _HELD[key]
+                    entry[1].close()
+
+        return release
 
     def write_table(self, name: str, columns: list[str], rows: list[list[Any]]) -> Path:
         """Write a table as `<name>.csv` in the run dir ('telemetry/layers' -> telemetry/layers.csv); None is an empty cell."""

@@ -1,0 +1,168 @@
+"""Time outside training, this checkout against a base commit: a one-step run and a small CPU sweep, interleaved.
+
+    python scripts/overhead_bench.py [--base COMMIT] [--repeats 3] [--jobs 8] [--cpu-jobs 2] [--steps 100]
+                                     [--threads N] [OVERRIDE ...]
+
+The two commands of issue 38's item 3, run as real processes (`python -m normlab`, wandb offline as by
+default), alternately with this checkout's normlab and with a `git archive` of `--base` (default: the
+merge base of HEAD and main) extracted to a temporary dir, first on PYTHONPATH:
+  single  `normlab train model=tiny max_steps=1 eval_every=1`: its wall time (target <= 3.5 s);
+  sweep   `normlab train -m seed=0,...,7 model=tiny max_steps=100 eval_every=50 hydra.launcher.cpu_jobs=2`:
+          its wall time, and the share of its slot-seconds (wall x cpu_jobs) outside the jobs' training loops
+          (target <= 40%). A job's training loop is its steps and evaluations: summary.json's phases
+          compile + train + eval where it has them, and train_time_s + eval_time_s (the base's measure, also
+          printed for this checkout) otherwise.
+Each command's process CPU time (user + sys of it and its children, from getrusage(RUSAGE_CHILDREN)) is
+printed beside its wall time: far less sensitive than wall time to other work on the machine. Medians over
+`--repeats` rounds; the load average is printed before each round and at the end. OVERRIDEs are added to
+both commands (for a quick check: smaller batches, wandb.mode=disabled). `--threads N` sets OMP_NUM_THREADS
+for both commands (the sweep's workers take their share of the cores whatever it is): on a loaded machine
+torch's waiting threads spin, and one thread makes the single run's CPU time far steadier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SINGLE = ["model=tiny", "max_steps=1", "eval_every=1"]
+
+
+def extract(commit: str, into: Path) -> Path:
+    """`git archive` of `commit` extracted under `into`, its conf/ reachable as the package normlab.conf."""
+    archive = into / "base.tar"
+    subprocess.run(["git", "archive", "-o", str(archive), commit], cwd=ROOT, check=True)
+    base = into / "base"
+    with tarfile.open(archive) as tar:
+        tar.extractall(base, filter="data")
+    (base / "normlab" / "conf").symlink_to(Path("..") / "conf")
+    return base
+
+
+def environment(tree: Path, threads: int | None) -> dict[str, str]:
+    """The commands' environment: `tree` first on PYTHONPATH, offline, wandb silent, `threads` torch threads."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
+           "WANDB_SILENT": "true", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def where_normlab(env: dict[str, str]) -> str:
+    code = "import normlab, normlab.conf; print(normlab.__file__, list(normlab.conf.__path__)[0])"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                          cwd="/").stdout.strip()
+
+
+def timed(args: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + sys, its children's included) of `python -m normlab ARGS`."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "normlab", *args], env=env, cwd=cwd, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def summaries(root: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(root.rglob("summary.json")) if "wandb" not in p.parts]
+
+
+def loop_seconds(summary: dict) -> tuple[float | None, float]:
+    """A job's training loop by its phases (compile + train + eval; None without phases), and by
+    train_time_s + eval_time_s."""
+    phases = summary.get("phases")
+    by_phases = sum(phases.get(k, 0.0) for k in ("compile", "train", "eval")) if phases else None
+    return by_phases, summary["train_time_s"] + summary["eval_time_s"]
+
+
+def run_round(name: str, env: dict[str, str], work: Path, args, results: dict) -> None:
+    single_dir, sweep_dir = work / f"{name}-single", work / f"{name}-sweep"
+    wall, cpu = timed(["train", *SINGLE, *args.overrides, f"hydra.run.dir={single_dir}"], env, work)
+    results[name]["single"].append((wall, cpu))
+    seeds = ",".join(str(s) for s in range(args.jobs))
+    wall, cpu = timed(["train", "-m", f"seed={seeds}", *sweep_job(args), *args.overrides,
+                       f"hydra.launcher.cpu_jobs={args.cpu_jobs}", f"hydra.sweep.dir={sweep_dir}"], env, work)
+    jobs = summaries(sweep_dir)
+    if len(jobs) != args.jobs or any(s.get("status") != "completed" for s in jobs):
+        raise SystemExit(f"overhead_bench.py: {name}'s sweep: expected {args.jobs} completed jobs, found "
+                         f"{[s.get('status') for s in jobs]}")
+    loops = [loop_seconds(s) for s in jobs]
+    by_phases = sum(p for p, _ in loops) if all(p is not None for p, _ in loops) else None
+    results[name]["sweep"].append((wall, cpu, by_phases, sum(t for _, t in loops)))
+    for path in (single_dir, sweep_dir):
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+
+
+def sweep_job(args) -> list[str]:
+    return ["model=tiny", f"max_steps={args.steps}", f"eval_every={max(1, args.steps // 2)}"]
+
+
+def outside(loop: float | None, wall: float, slots: int) -> str:
+    return "   n/a" if loop is None else f"{100 * (1 - loop / (wall * slots)):5.1f}%"
+
+
+def report(results: dict, args) -> None:
+    med = statistics.median
+    print(f"\nmedians over {args.repeats} rounds; load average (1, 5, 15 min) at the end: "
+          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"single run ({' '.join(SINGLE + args.overrides)}): target <= 3.5 s wall")
+    for name, rows in results.items():
+        walls, cpus = zip(*rows["single"])
+        print(f"  {name:<5} {med(walls):6.2f} s wall  {med(cpus):6.2f} s CPU   (walls {', '.join(f'{w:.2f}' for w in walls)})")
+    print(f"sweep of {args.jobs} ({' '.join(sweep_job(args))}, cpu_jobs={args.cpu_jobs}): target <= 40% of the "
+          f"slot-seconds outside the training loops")
+    for name, rows in results.items():
+        walls, cpus, phased, timed_ = zip(*rows["sweep"])
+        loop_p = med(phased) if all(p is not None for p in phased) else None
+        loop_t = med(timed_)
+        wall = med(walls)
+        phase_text = "n/a" if loop_p is None else f"{loop_p:6.2f} s"
+        print(f"  {name:<5} {wall:6.2f} s wall  {med(cpus):6.2f} s CPU; training loops {phase_text} by phases "
+              f"(outside {outside(loop_p, wall, args.cpu_jobs)}), {loop_t:6.2f} s by train_time_s + eval_time_s "
+              f"(outside {outside(loop_t, wall, args.cpu_jobs)})   (walls {', '.join(f'{w:.1f}' for w in walls)})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default=None, help="the commit to compare with (default: git merge-base HEAD main)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of base and new, interleaved")
+    parser.add_argument("--jobs", type=int, default=8, help="jobs in the sweep")
+    parser.add_argument("--cpu-jobs", type=int, default=2, help="hydra.launcher.cpu_jobs of the sweep")
+    parser.add_argument("--steps", type=int, default=100, help="max_steps of the sweep's jobs (eval_every: half)")
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of both commands (default: unset)")
+    parser.add_argument("overrides", nargs="*", help="normlab overrides added to both commands")
+    args = parser.parse_args()
+    base_commit = args.base or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True,
+                                              text=True, check=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        envs = {"base": environment(extract(base_commit, work), args.threads), "new": environment(ROOT, args.threads)}
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        print(f"base {base_commit[:10]}: {where_normlab(envs['base'])}")
+        print(f"new  {head} (with uncommitted changes, if any): {where_normlab(envs['new'])}")
+        print(f"OMP_NUM_THREADS={envs['new'].get('OMP_NUM_THREADS', '(unset)')}, WANDB_MODE={envs['new']['WANDB_MODE']}")
+        for name, env in envs.items():  # the token cache, and the first-use costs of a fresh machine, out of the timings
+            timed(["train", *SINGLE, *args.overrides, f"hydra.run.dir={work / ('warm-' + name)}"], env, work)
+        results = {name: {"single": [], "sweep": []} for name in envs}
+        for round_ in range(args.repeats):
+            print(f"round {round_ + 1}: load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
+            for name, env in (envs.items() if round_ % 2 == 0 else reversed(envs.items())):
+                run_round(name, env, work, args, results)
+        report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -377,3 +377,37 @@ def test_wandb_layers_true_gets_the_new_keys(tmp_path):
         for key in [f"{stat}/L{i:02d}" for stat in NEW_STATS for i in range(2)] + ["out/logz"]:
             assert row[key] == pytest.approx(record[key], rel=1e-12), key
 
+
+
+@pytest.mark.parametrize("elements", [1 << 22, 8192], ids=["one chunk", "chunks of blocks"])
+def test_a_step_in_two_micro_batches_logs_what_one_batch_does(monkeypatch, elements):
+    """grad_accum=2 on a batch of 16: the first micro-batch holds the 8 probed sequences, the second none. Each
+    must cut its blocks into the same chunks (a review found the attention's chunks sized by the micro-batch's
+    own probed rows: the second one's statistics then came in another order and were added to the wrong keys)."""
+    import normlab.train.probe_sites as probe_sites
+
+    monkeypatch.setattr(probe_sites, "STACK_ELEMENTS", elements)
+    torch.manual_seed(0)
+    model = GPT(tiny_config("rms", "pre", depth=4))
+    x = torch.randint(0, 256, (16, 16), generator=torch.Generator().manual_seed(0))
+    stats = []
+    for parts in (1, 2):
+        probe = Probe(model, every=1, max_steps=1)
+        for xm in x.chunk(parts):
+            probe.forward(xm).sum().backward()  # a sum: the micro-batches' gradients add up to the batch's
+        stats.append(probe.collect())
+        model.zero_grad()
+    assert stats[0].keys() == stats[1].keys()
+    bad = {k: (stats[1][k], v) for k, v in stats[0].items() if not math.isclose(stats[1][k], v, rel_tol=1e-5, abs_tol=1e-6)}
+    assert not bad, bad
+
+
+def test_micro_batches_whose_statistics_come_in_different_orders_are_refused():
+    from normlab.train.probe_sites import Entry
+
+    probe = Probe(GPT(tiny_config("rms", "pre")), every=1, max_steps=1)
+    one = ((Entry("rms", ("act/a",), 1, 4), Entry("rms", ("act/b",), 1, 4)), ())
+    swapped = ((one[0][1], one[0][0]), ())
+    probe._absorb(torch.zeros(2), torch.zeros(0), one)
+    with pytest.raises(RuntimeError, match="measured their statistics in different orders"):
+        probe._absorb(torch.zeros(2), torch.zeros(0), swapped)

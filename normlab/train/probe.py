@@ -55,14 +55,9 @@ from normlab.train.probe_norms import (
     norm_parameter_stats,
 )
 from normlab.train.probe_params import group_stats, param_groups
-from normlab.train.probe_sites import Entry, Plan, Recorder, read_entries
+from normlab.train.probe_sites import PROBE_SEQS, Entry, Plan, Recorder, read_entries
 from normlab.train.probe_stats import l2_norms
 
-# The attention statistics and the max/median ratio are taken on the step's first PROBE_SEQS sequences,
-# however many micro-batches hold them (grad_accum cuts the batch into consecutive chunks, so they are the
-# same sequences whatever its value): the explicit T×T score matrix and the per-token median are the most
-# expensive statistics.
-PROBE_SEQS = 8
 
 
 def watched_forward(net: nn.Module, idx: torch.Tensor, collectors: list[torch.Tensor], plan: Plan):
@@ -148,6 +143,9 @@ class Probe:
             self._sums, self._maxima, self._entries = sums, maxima, entries
             self._counts = [[entry.count for entry in group] for group in entries]
             return
+        if [[e.keys for e in group] for group in entries] != [[e.keys for e in group] for group in self._entries]:
+            raise RuntimeError("telemetry: the step's micro-batches measured their statistics in different orders; "
+                               "their sums cannot be added key by key")
         self._sums, self._maxima = self._sums + sums, torch.maximum(self._maxima, maxima)
         for counts, group in zip(self._counts, entries):
             for i, entry in enumerate(group):

@@ -38,6 +38,11 @@ from normlab.train.probe_stats import (
 # hook-based Probe before it 170 ms. That stream (32 × 128 × 256 a block) is now stacked three blocks at a
 # time; on a GPU that is a few launches more.
 STACK_ELEMENTS = 1 << 22
+# The attention statistics and the max/median ratio are taken on the step's first PROBE_SEQS sequences,
+# however many micro-batches hold them (grad_accum cuts the batch into consecutive chunks, so they are the
+# same sequences whatever its value): the explicit T×T score matrix and the per-token median are the most
+# expensive statistics.
+PROBE_SEQS = 8
 
 
 # The statistics of the probed sequences alone: absent from a micro-batch that holds none of them.
@@ -145,7 +150,9 @@ class Recorder:
             per_chunk = max(1, STACK_ELEMENTS // x.numel() - 1)
         else:
             B, H, T, D = x.shape
-            per_chunk = max(1, STACK_ELEMENTS // (max(1, self.plan.rows) * H * T * max(T, D)))
+            # Sized for the most rows a micro-batch can probe, not this one's: every micro-batch of a step must
+            # cut its blocks into the same chunks, so that their statistics come in one order and add up key by key.
+            per_chunk = max(1, STACK_ELEMENTS // (PROBE_SEQS * H * T * max(T, D)))
         return layer + 1 - self._measured[site] == per_chunk or layer == len(self.plan.labels) - 1
 
     def _measure(self, site: str, last: int) -> None:

@@ -198,3 +198,19 @@ def test_gradients_kept_allocated_for_cuda_graphs_change_no_result(tmp_path, mon
     assert [{k: v for k, v in r.items() if k not in drop} for r in rows[0]] == \
         [{k: v for k, v in r.items() if k not in drop} for r in rows[1]]
     assert kept["final_val_loss"] == freed["final_val_loss"]
+
+
+def test_a_later_compiled_run_in_the_process_starts_with_an_empty_dynamo_cache(monkeypatch):
+    """A sweep's jobs share a process: without a reset, each arm's graphs pile up in Dynamo's cache, and at its
+    recompile limit (8 per function) a later job's model and telemetry would run eager without a word (review)."""
+    import torch._dynamo
+
+    import normlab.train.runtime as runtime
+
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(runtime, "_compiled_before", False)
+    runtime.compile_model(torch.nn.Linear(2, 2), "default", torch.device("cpu"))
+    assert resets == []  # the process's first compiled run: nothing to clear
+    runtime.compile_model(torch.nn.Linear(2, 2), "default", torch.device("cpu"))
+    assert resets == [1]

@@ -85,6 +85,9 @@ def configure_determinism(deterministic: bool) -> None:
     torch.use_deterministic_algorithms(deterministic)
 
 
+_compiled_before = False  # whether this process compiled a run's model already
+
+
 def compile_model(net: nn.Module, mode: str, device: torch.device):
     """`net` compiled with torch.compile's `mode` (config key compile_mode). Under reduce-overhead torch
     captures the compiled forward and backward in CUDA graphs (on CUDA): every call then starts a new graph
@@ -92,6 +95,13 @@ def compile_model(net: nn.Module, mode: str, device: torch.device):
     there is nothing to capture: it compiles with the default mode's Inductor settings (the mode's only
     other one, triton.cudagraphs, would change the key of Inductor's on-disk cache, not the code), so a
     default-mode compile of the same model is reused from that cache."""
+    global _compiled_before
+    if _compiled_before:
+        # A later job of a sweep in this process: Dynamo's cache holds the earlier jobs' graphs, and once one
+        # function has recompile_limit (8) of them it runs eager without a word (the Probe's forward and the
+        # model's): start the run with an empty cache (Inductor's on-disk cache still saves the compiling).
+        torch._dynamo.reset()
+    _compiled_before = True
     as_default = mode == "default" or (mode == "reduce-overhead" and device.type != "cuda")
     fast = torch.compile(net, mode=None if as_default else mode)
     if mode != "reduce-overhead":

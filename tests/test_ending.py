@@ -160,3 +160,25 @@ def test_the_command_leaves_what_is_alive_at_exit_to_the_process_end():
 def test_a_sweep_job_ends_in_the_background_on_a_gpu_only():
     assert task.ends_in_background(tiny_config(device="cuda"))
     assert not task.ends_in_background(tiny_config(device="cpu"))
+
+
+@pytest.mark.parametrize("launcher", [[], ["hydra/launcher=basic"]], ids=["normlab", "basic"])
+def test_the_sweeps_table_waits_for_the_jobs_ends_under_any_launcher(tmp_path, monkeypatch, launcher):
+    """The closing table is read after every job's end has run, also under Hydra's basic launcher (which does
+    not drain the end thread itself): a failed end shows in it as failed (review)."""
+    import time
+
+    def broken(self):
+        time.sleep(0.5)
+        raise RuntimeError("no room for the heatmaps")
+
+    monkeypatch.setattr(task, "ends_in_background", lambda run_cfg: True)  # as on a GPU
+    monkeypatch.setattr(TelemetryProducts, "write", broken)
+    result = normlab_here("train", "-m", "seed=0,1", "model=tiny", "batch_size=4", "seq_len=16", "eval_batches=1",
+                          "max_steps=4", "eval_every=2", "telemetry.every=2", "device=cpu", "wandb.mode=disabled",
+                          "hydra.sweep.dir=sweep", *launcher, cwd=tmp_path)
+    ending.drain()
+    table = result.stdout[result.stdout.index("sweep: "):]
+    on_disk = sorted(json.loads(p.read_text())["status"] for p in (tmp_path / "sweep").glob("*/summary.json"))
+    assert on_disk == ["failed", "failed"]
+    assert table.splitlines()[0].startswith("sweep: 2 jobs (2 failed)"), table

@@ -200,6 +200,9 @@ class SweepReport(Callback):
         report(job_line(output_dir, fallback, job_outcome.noted(output_dir)), Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config, **kwargs) -> None:
+        from normlab.train.ending import drain  # the jobs' ends handed to the end thread (any launcher) come first
+
+        drain()
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.is_dir():
             report(sweep_table(sweep_dir, self.log_start), sweep_dir)

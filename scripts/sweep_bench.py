@@ -23,6 +23,8 @@ from pathlib import Path
 
 from startup import normlab_command, script_env
 
+from normlab.launch.sweep_log import phase_totals
+
 SWEEP = ["norm=none,layer,rms,batch", "placement=pre,post", "model=medium", "max_steps=300"]
 
 
@@ -64,15 +66,6 @@ def unfinished(jobs: dict[str, dict], expected: int, what: str) -> str | None:
     return f"{len(bad) + missing} of {len(jobs) + missing} {what} {'/'.join(how)}" + (f": {first}" if first else "")
 
 
-def phase_totals(jobs: dict[str, dict]) -> str:
-    """'; phases: train 31.2, eval 2.0, ...' summed over the jobs' summary.json `phases` (empty without them)."""
-    totals: dict[str, float] = {}
-    for summary in jobs.values():
-        for name, seconds in (summary.get("phases") or {}).items():
-            totals[name] = totals.get(name, 0.0) + seconds
-    return "; phases: " + ", ".join(f"{name} {s:.1f}" for name, s in totals.items()) if totals else ""
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="normlab overrides (default: the issue's 8-arm medium sweep)")
@@ -99,7 +92,9 @@ def main() -> int:
             same = "equal" if losses == reference else f"DIFFER from {settings[0]}"
             statuses = sorted({s["status"] for s in jobs.values()})
             print(f"jobs_per_gpu={k} mps={mps}: {wall:6.1f} s wall for {len(jobs)} jobs ({', '.join(statuses)}); "
-                  f"{in_train:6.1f} s of job time in train(); final val losses {same}" + phase_totals(jobs), flush=True)
+                  f"{in_train:6.1f} s of job time in train(); final val losses {same}", flush=True)
+            if totals := phase_totals(list(jobs.values())):  # the sweep's own closing line (a pack counted once)
+                print(f"  {totals}", flush=True)
     return 0
 
 

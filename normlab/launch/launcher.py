@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 # took 106 s one job at a time and 47 s with 4 at once (joblib); scripts/sweep_bench.py measures
 # 1, 2, 4 and 8 to settle the default on a given GPU. conf/hydra/launcher/normlab.yaml sets the same.
 JOBS_PER_GPU = 4
+
+
 def visible_gpus(devices: Optional[Sequence[Any]] = None) -> list[str]:
     """The GPUs a sweep may use, as CUDA_VISIBLE_DEVICES entries: `devices` when given, else the
     entries of CUDA_VISIBLE_DEVICES when it is set, else every GPU torch sees ([] without CUDA)."""

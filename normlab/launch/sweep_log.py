@@ -99,9 +99,10 @@ def sweep_table(sweep_dir: Path, log_start: int | None = None) -> str:
     their status in capitals; "run wall s" is summary.json's wall_time_s, as in job_line), then the sweep dir
     and the `normlab compare` command to run next. A dir another process holds is busy; with `log_start` (the
     size of sweep.log when the sweep began), a job whose dir went is listed from its line in sweep.log."""
-    rows = []
+    rows, summaries = [], []
     for d in job_dirs(sweep_dir):
         summary = read_summary(d)
+        summaries.append(summary)
         status = _status(summary, "failed")
         if status in ("failed", "running"):
             status = job_outcome.busy(d) or status
@@ -111,7 +112,7 @@ def sweep_table(sweep_dir: Path, log_start: int | None = None) -> str:
         rows += [_row(m["num"], m["name"], m["status"], math.nan, None, Path(m["dir"]).name)
                  for m in _gone_jobs(Path(sweep_dir), log_start)]
     rows.sort(key=lambda r: (r[0], r[1], int(r[2]) if r[2].isdigit() else math.inf))
-    phases = phase_totals([read_summary(d) for d in job_dirs(sweep_dir)])
+    phases = phase_totals(summaries)
     header = ("job", "run", "status", "final val loss", "run wall s", "dir")
     cells = [header, *(r[2:] for r in rows)]
     widths = [max(len(str(c[i])) for c in cells) for i in range(len(header))]

@@ -280,8 +280,8 @@ def _job_failed(hc, run_cfg, err: BaseException, recorded: bool) -> float:
     if not recorded:
         record_failure(hc.runtime.output_dir, run_cfg, err)
     name, multirun = run_cfg.run_name, hc.mode == RunMode.MULTIRUN
-    if job_outcome.status_of(err):  # its dir went, or is another process's: the sweep's line for it must say so
-        job_outcome.note(hc.runtime.output_dir, job_outcome.status_of(err))
+    if status := job_outcome.status_of(err):  # its dir went, or is another process's: the sweep's line must say so
+        job_outcome.note(hc.runtime.output_dir, status)
     what = f"the disk is full ({err})" if disk_full(err) else f"{type(err).__name__}: {err}"
     if isinstance(err, RunDirGone):
         what = str(err)  # its normlab.log went with the dir: the line below is the whole account

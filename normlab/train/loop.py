@@ -161,11 +161,11 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     keep_grads = hold_gradients(cfg, state.model, device)  # zeroed, not freed, after each step
     state.model.train()
-    first, started, aside = state.step, time.perf_counter(), _set_aside(state)
+    first, started, aside = state.step, time.perf_counter(), state.phases.total(SET_ASIDE)
     try:
         for step in range(state.step, cfg.max_steps + 1):
             if step == first + 1:  # the first step compiled and warmed up what the later ones reuse
-                state.phases.add("compile", time.perf_counter() - started - (_set_aside(state) - aside))
+                state.phases.add("compile", time.perf_counter() - started - (state.phases.total(SET_ASIDE) - aside))
             record: dict[str, Any] = {"step": step, "tokens": state.tokens}
             if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == cfg.max_steps:
                 record["val_loss"] = _evaluate_into(state, held_out.batches, precision)
@@ -205,11 +205,6 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
         _call(callbacks, "on_train_stop", state)  # a signal's stop or an error: the progress bar closes before its line
         raise
     return None
-
-
-def _set_aside(state: TrainState) -> float:
-    """The seconds of the phases that are not training steps, though they happen inside the loop."""
-    return sum(state.phases.seconds.get(name, 0.0) for name in SET_ASIDE)
 
 
 def _evaluate_into(state: TrainState, val_batches, precision: str) -> float:

@@ -48,6 +48,10 @@ class Phases:
         finally:
             self.add(name, time.perf_counter() - started)
 
+    def total(self, names) -> float:
+        """The seconds of the phases `names` together."""
+        return sum(self.seconds.get(name, 0.0) for name in names)
+
     def record(self) -> dict[str, float]:
         """The phases for summary.json, in milliseconds' precision."""
         return {name: round(seconds, 3) for name, seconds in self.seconds.items()}

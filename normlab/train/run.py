@@ -38,7 +38,7 @@ from normlab.train.callbacks import (
 from normlab.train.checkpoint import Checkpoint, CheckpointError, Checkpointer, resolve_resume, rewind
 from normlab.train.ending import RunEnd, drain, hand_over, record_end
 from normlab.train.environment import run_environment
-from normlab.train.loop import batch_loader, emit, held_out_batches, run_steps
+from normlab.train.loop import SET_ASIDE, batch_loader, emit, held_out_batches, run_steps
 from normlab.train.optim import param_groups
 from normlab.train.phases import Phases, run_ended, startup_seconds
 from normlab.train.preempt import Preempted
@@ -300,11 +300,9 @@ def _fit(cfg: RunConfig, corpus: Corpus, sinks: list[Sink], checkpointer: Checkp
 def _timed_steps(cfg: RunConfig, state: TrainState, *args) -> int | None:
     """run_steps, its time split into `compile` (its first step), `train`, and the evaluations and checkpoints
     inside it (which they time themselves)."""
-    aside = ("compile", "eval", "checkpoint")
-    before = sum(state.phases.seconds.get(name, 0.0) for name in aside)
-    started = time.perf_counter()
+    aside = ("compile", *SET_ASIDE)
+    before, started = state.phases.total(aside), time.perf_counter()
     try:
         return run_steps(cfg, state, *args)
     finally:
-        inside = sum(state.phases.seconds.get(name, 0.0) for name in aside) - before
-        state.phases.add("train", time.perf_counter() - started - inside)
+        state.phases.add("train", time.perf_counter() - started - (state.phases.total(aside) - before))

@@ -198,6 +198,37 @@ def test_the_math_attention_kernel_under_vmap_gives_each_members_loss_and_gradie
             torch.testing.assert_close(pack.params[name].grad[m], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("kernels", ["default", "math"])
+def test_a_batchnorm_pack_runs_under_bf16_autocast_as_its_members_alone(kernels, monkeypatch):
+    """BatchNorm's shift-free attention adds its query bias in float32, which promotes q under autocast; an
+    ordinary forward's autocast casts attention's inputs back, vmap's did not (a GPU's 72-run ablation failed
+    every BatchNorm pack: "Expected query, key, and value to have the same dtype"). Each member's loss and
+    gradients under bf16 autocast equal its model's alone, on the default and the math kernel (CUDA's)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import normlab.nn.packed as packed
+    from normlab.train.loop import loss_fn  # in float32, as training's: vmap skips autocast's float32 casts
+
+    if kernels == "math":
+        monkeypatch.setattr(packed, "attention_kernels", lambda device: sdpa_kernel([SDPBackend.MATH]))
+    cfg = tiny_config("batch", "pre")
+    cfg.model = replace(cfg.model, vocab_size=256)
+    torch.manual_seed(0)
+    members = [GPT(cfg), GPT(cfg)]
+    assert members[0].blocks[0].attn.q_bias is not None
+    pack = PackedModel(members)
+    x, y = torch.randint(0, 256, (2, 4, 16)), torch.randint(0, 256, (2, 4, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = pack.losses(loss_fn, x, y)
+    losses.sum().backward()
+    for m, model in enumerate(members):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            alone = loss_fn(model(x[m]), y[m])
+        alone.backward()
+        torch.testing.assert_close(losses[m], alone, rtol=1e-2, atol=1e-3)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(pack.params[name].grad[m], p.grad, rtol=5e-2, atol=1e-3, msg=name)
+
+
 def _loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 

@@ -49,6 +49,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, tap: Tap | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.heads(x, tap)
+        # Under autocast the projections come out in its dtype, but a query bias (shift_free) or a QK-norm can
+        # promote q or k to float32. An ordinary forward's autocast casts attention's inputs back to its dtype;
+        # under vmap (a pack) it does not, and attention refuses mixed dtypes. The same cast, written out.
+        q, k = q.to(v.dtype), k.to(v.dtype)
         if self.softcap is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

@@ -251,7 +251,9 @@ def pack21(ctx: Context) -> None:
     wall, jobs = run_sweep(normlab, overrides, ctx.workdir / "pack21")
     # The docs' tolerance holds for fp32 over a few steps (docs/sweeps.md: 1e-5 on the CPU; tests/test_cuda.py: 1e-4
     # on a GPU without tf32), so the sample trains that way, packed and unpacked.
-    sample = ctx.run_overrides({**grid, "lr": "1e-3,3e-2", "seed": 1, "max_steps": 20, "log_every": 1,
+    # Stable lrs only: at lr 3e-2 training is chaotic, and any change of rounding (the kernels', or the thread
+    # count's) grows from 1e-5 to a few per cent within 3 steps (docs/sweeps.md, "Where exactness ends").
+    sample = ctx.run_overrides({**grid, "lr": "1e-3,3e-3", "seed": 1, "max_steps": 20, "log_every": 1,
                                 "eval_every": 10, "precision": "fp32", "tf32": "false"})
     _, packed = run_sweep(normlab, sample, ctx.workdir / "packed")
     _, unpacked = run_sweep(normlab, [o for o in sample if o != "pack=true"], ctx.workdir / "unpacked")

@@ -54,10 +54,16 @@ class CausalSelfAttention(nn.Module):
         # under vmap (a pack) it does not, and attention refuses mixed dtypes. The same cast, written out.
         q, k = q.to(v.dtype), k.to(v.dtype)
         if self.softcap is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = causal_attention(q, k, v)
         else:
             y = softcapped_attention(q, k, v, self.softcap)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention, q, k, v: (B, n_head, T, head_dim), in torch's fused kernels. Looked up by name at
+    each call: a packed forward puts its own in for the duration (normlab.nn.packed.folded_attention)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: float) -> torch.Tensor:

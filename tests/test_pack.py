@@ -162,7 +162,7 @@ def test_nan_in_one_member_never_reaches_another():
     assert torch.isfinite(norms[[0, 2]]).all()
 
 
-def test_a_packed_forward_on_cuda_takes_the_math_attention_kernel_alone():
+def test_attention_under_vmap_on_cuda_takes_the_math_kernel_alone():
     from normlab.nn.packed import attention_kernels
 
     cuda = torch.backends.cuda
@@ -176,8 +176,8 @@ def test_a_packed_forward_on_cuda_takes_the_math_attention_kernel_alone():
 
 
 def test_the_math_attention_kernel_under_vmap_gives_each_members_loss_and_gradient(monkeypatch):
-    """The path a pack takes on CUDA (torch's math kernel, batched by vmap), run here on the CPU: each member's
-    loss and gradients equal its model's alone."""
+    """The path a pack without folded attention takes on CUDA (torch's math kernel, batched by vmap), run here
+    on the CPU: each member's loss and gradients equal its model's alone."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import normlab.nn.packed as packed
 
@@ -186,7 +186,7 @@ def test_the_math_attention_kernel_under_vmap_gives_each_members_loss_and_gradie
     cfg.model = replace(cfg.model, vocab_size=256)
     torch.manual_seed(0)
     members = [GPT(cfg), GPT(cfg)]
-    pack = PackedModel(members)
+    pack = PackedModel(members, fold_attention=False)
     x, y = torch.randint(0, 256, (2, 3, 16)), torch.randint(0, 256, (2, 3, 16))
     losses = pack.losses(_loss, x, y)
     losses.sum().backward()

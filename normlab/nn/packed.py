@@ -5,7 +5,9 @@ Every parameter and buffer of the M members is stacked along a new first dimensi
 over a functional call of a template GPT (torch.func.functional_call), which holds the module tree
 and whose own weights are never used. So the members run the very modules an unpacked run runs (every
 norm, every placement), with weights, statistics and data of their own: a member's forward, loss and
-gradient are its unpacked run's, up to the summation order of batched kernels.
+gradient are its unpacked run's, up to the summation order of batched kernels. Attention alone leaves vmap's
+batching: all members' attention is one call of torch's fused kernel, the members folded into its batch
+(FoldedAttention).
 
 The optimizer is AdamW written over the stacked tensors with one learning rate per member
 (torch's AdamW takes one lr per parameter group), the update torch.optim.AdamW takes, term by term.
@@ -18,47 +20,102 @@ The module knows nothing of Hydra, sinks or the training loop.
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from normlab.nn import sublayers
 from normlab.nn.norms import StepStatistics
 
-# On the CPU torch has no batching rule for its flash-attention kernel, so vmap runs attention member by
-# member (correct, a little slower) and warns once per process; on CUDA the rules exist.
+# Attention under vmap (fold_attention false): on the CPU torch has no batching rule for its flash-attention
+# kernel, so vmap runs attention member by member (correct, slower) and warns once per process.
 warnings.filterwarnings("ignore", message=r".*not yet implemented the batching rule for aten::_scaled_dot_product")
 
 
 def attention_kernels(device: torch.device):
-    """The attention kernels a packed forward may use on `device`. On CUDA, torch's own math kernel alone: under
-    vmap the fused kernels' backward fails ("LSE is not correctly aligned (strideH)", measured on an H200 with
-    torch 2.11 in fp32 and bf16; a known limit of the memory-efficient kernel's backward under vmap), while the
-    math kernel is plain matmuls and a softmax, which vmap batches. It holds the T×T scores of every member at
-    once (M·B·n_head·T² values). On the CPU the choice is torch's, as in an unpacked run."""
+    """The attention kernels a packed forward that runs attention under vmap (PackedModel.fold_attention false)
+    may use on `device`. On CUDA, torch's own math kernel alone: under vmap the fused kernels' backward fails
+    ("LSE is not correctly aligned (strideH)", measured on an H200 with torch 2.11 in fp32 and bf16; a known
+    limit of the memory-efficient kernel's backward under vmap), while the math kernel is plain matmuls and a
+    softmax, which vmap batches. It holds the T×T scores of every member at once (M·B·n_head·T² values).
+    On the CPU the choice is torch's, as in an unpacked run."""
     return sdpa_kernel([SDPBackend.MATH]) if device.type == "cuda" else nullcontext()
+
+
+class FoldedAttention(torch.autograd.Function):
+    """Causal attention (sublayers.causal_attention) whose rule under vmap folds the member dimension into the
+    batch: q, k, v of shape (M, B, n_head, T, head_dim) become one call of F.scaled_dot_product_attention on
+    (M·B, n_head, T, head_dim), outside vmap's batching. So torch picks its fused kernel for all members at
+    once (flash, cuDNN or memory-efficient on CUDA, flash on the CPU) and differentiates it with that kernel's
+    own backward; each batch row's attention is computed as an unpacked run computes it.
+
+    Outside vmap it is F.scaled_dot_product_attention, its gradient taken by recomputing the forward."""
+
+    @staticmethod
+    def forward(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+            return torch.autograd.grad(F.scaled_dot_product_attention(*inputs, is_causal=True), inputs, grad)
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v):
+        members = info.batch_size
+
+        def fold(t, dim):
+            t = t.expand(members, *t.shape) if dim is None else t.movedim(dim, 0)
+            return t.flatten(0, 1)
+
+        y = F.scaled_dot_product_attention(*(fold(t, d) for t, d in zip((q, k, v), in_dims)), is_causal=True)
+        return y.unflatten(0, (members, -1)), 0
+
+
+@contextmanager
+def folded_attention():
+    """Within it, the model's causal attention (sublayers.causal_attention) is FoldedAttention. A pack's forward
+    runs in one thread; an unpacked model in another thread at the same time would run it too (the same values)."""
+    plain = sublayers.causal_attention
+    sublayers.causal_attention = FoldedAttention.apply
+    try:
+        yield
+    finally:
+        sublayers.causal_attention = plain
 
 
 class PackedModel:
     """M members of one architecture, stacked: `params` and `buffers` map the template's names to tensors
     of shape (M, *shape). `params` are leaves that collect gradients; `template` is the module tree the
-    forward runs (train()/eval() on it set every member's mode)."""
+    forward runs (train()/eval() on it set every member's mode).
 
-    def __init__(self, members: Sequence[nn.Module]):
+    `fold_attention`: attention runs as FoldedAttention, all members in one call of torch's fused kernel; else
+    vmap batches torch's attention (on CUDA its math kernel alone: attention_kernels), which the benchmark
+    (scripts/pack_bench.py --kernels-only) compares."""
+
+    def __init__(self, members: Sequence[nn.Module], fold_attention: bool = True):
         if not members:
             raise ValueError("a pack needs at least one member")
         self.template = members[0]
         self.size = len(members)
+        self.fold_attention = fold_attention
         params, buffers = stack_module_state(list(members))
         self.params: dict[str, torch.Tensor] = params
         self.buffers: dict[str, torch.Tensor] = buffers
         self._stepper = _AdvanceStatistics(self.template)  # built once: advance runs every step
 
     def _member_logits(self, params, buffers, idx: torch.Tensor, tap=None) -> torch.Tensor:
-        with attention_kernels(idx.device):
+        with folded_attention() if self.fold_attention else attention_kernels(idx.device):
             return functional_call(self.template, (params, buffers), (idx,), {} if tap is None else {"tap": tap})
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:

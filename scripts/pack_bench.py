@@ -16,6 +16,14 @@ weights with batched matmuls).
    matmuls: torch.baddbmm/bmm, members folded into attention's batch), and unbatched (each member's
    GPT in turn), same shapes, interleaved rounds, median ms per step. The "measure both, and pick" of
    issue 14.
+3. `attention` (--attention, alone; issue 38): one forward+backward of one pack (normlab.train.pack.build_pack)
+   with attention under vmap (the path before FoldedAttention: on CUDA torch's math kernel alone), folded with
+   the math kernel forced, and folded with torch's choice of kernel (normlab's path): median ms per step over
+   interleaved rounds, aten ops dispatched in one step, the attention kernels they include, and the largest
+   relative difference of the members' losses and gradients from the vmap path's, per precision.
+
+    python scripts/pack_bench.py --gpu --attention --lrs 1e-3,3e-3,1e-2 --seeds 0,1,2 --precisions bf16,fp32
+    python scripts/pack_bench.py --attention --precisions fp32,bf16   # the same at model=tiny on the CPU
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -33,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
 def grid_configs(args) -> list:
@@ -155,6 +167,89 @@ def time_kernels(cfgs, rounds: int, steps: int, device: torch.device, precision:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+class OpCount(TorchDispatchMode):
+    """The aten ops dispatched inside, and the attention kernels among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.attention: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if "attention" in func.name():
+            self.attention[func.name().removeprefix("aten::")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# (fold_attention, the kernels allowed): attention under vmap as before (math alone on CUDA, packed.attention_kernels),
+# folded with the math kernel forced, folded with torch's choice
+ATTENTION_PATHS = {"vmap (before)": (False, None), "folded, math forced": (True, [SDPBackend.MATH]),
+                   "folded (normlab)": (True, None)}
+
+
+def compare_attention(cfgs, device: torch.device, precision: str, rounds: int, steps: int) -> None:
+    """Part 3 of the module's docstring, in one precision: printed, one line per path."""
+    from normlab.nn.packed import attention_kernels
+    from normlab.train.loop import loss_fn
+    from normlab.train.pack.trainer import build_pack
+    from normlab.train.runtime import autocast
+
+    pack, _ = build_pack(cfgs, device)
+    cfg = cfgs[0]
+    torch.manual_seed(0)
+    idx = torch.randint(0, cfg.model.vocab_size or 256, (len(cfgs), cfg.batch_size, cfg.seq_len + 1), device=device)
+    x, y = idx[..., :-1], idx[..., 1:]
+
+    def step(path: str) -> torch.Tensor:
+        pack.fold_attention, kernels = ATTENTION_PATHS[path]
+        allowed = attention_kernels(device) if not pack.fold_attention else sdpa_kernel(kernels) if kernels else nullcontext()
+        for p in pack.params.values():
+            p.grad = None
+        with allowed, autocast(device, precision):
+            losses = pack.losses(loss_fn, x, y)
+        losses.sum().backward()
+        return losses.detach().float()
+
+    results = {}
+    for path in ATTENTION_PATHS:
+        with OpCount() as count:
+            losses = step(path)
+        results[path] = (losses, {n: p.grad.float() for n, p in pack.params.items()}, count)
+    times = _interleaved(step, rounds, steps)
+    reference_losses, reference_grads, _ = results["vmap (before)"]
+    for path, (losses, grads, count) in results.items():
+        loss_diff = ((losses - reference_losses).abs() / reference_losses.abs()).max().item()
+        grad_diff, where = max((_relative(grads[n], g), n) for n, g in reference_grads.items())
+        kernels = ", ".join(f"{name} x{n}" for name, n in sorted(count.attention.items())) or "matmuls and softmax"
+        wall, cpu = (statistics.median(values) for values in zip(*times[path]))
+        print(f"attention {precision}: {path:18s} {wall:8.2f} ms per forward+backward"
+              + (f" ({cpu:.2f} ms process CPU time)" if device.type == "cpu" else "")
+              + f", {count.ops} aten ops; largest relative difference from vmap's: loss {loss_diff:.1e}, "
+              f"gradient {grad_diff:.1e} ({where}); attention: {kernels}")
+
+
+def _interleaved(step, rounds: int, steps: int) -> dict[str, list[tuple[float, float]]]:
+    """Per path, each round's ms per step in wall time and in process CPU time; the paths interleaved."""
+    times = {path: [] for path in ATTENTION_PATHS}
+    for _ in range(rounds):
+        for path in ATTENTION_PATHS:
+            step(path)  # warm-up of this round
+            sync()
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                step(path)
+            sync()
+            times[path].append(((time.perf_counter() - wall) / steps * 1e3, (time.process_time() - cpu) / steps * 1e3))
+    return times
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference in any member's slice, relative to that slice's largest value."""
+    diff = (got - want).abs().reshape(got.shape[0], -1).amax(dim=1)
+    return (diff / want.abs().reshape(want.shape[0], -1).amax(dim=1).clamp_min(1e-30)).max().item()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="the issue's GPU grid: model=medium, 7 lrs x 3 seeds, 300 steps")
@@ -166,7 +261,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kernel-steps", type=int, default=5)
     parser.add_argument("--overrides", nargs="*", default=[])
+    parser.add_argument("--attention", action="store_true", help="part 3 alone: the packed attention paths compared")
+    parser.add_argument("--precisions", default=None, help="comma-separated, of fp32, bf16, fp16 (--attention; "
+                        "default: the config's)")
     args = parser.parse_args()
+    precisions = (args.precisions or "").split(",") if args.precisions else []
+    if any(p not in ("fp32", "bf16", "fp16") for p in precisions):
+        print(f"pack_bench: --precisions {args.precisions!r}: each must be fp32, bf16 or fp16", file=sys.stderr)
+        return 2
     if args.gpu and not torch.cuda.is_available():
         print("pack_bench: --gpu needs a CUDA device; none is visible")
         return 0
@@ -182,6 +284,10 @@ def main() -> int:
     precision = resolve_precision(cfgs[0].precision, device)
     print(f"pack_bench: {len(cfgs)} runs of model={args.model} ({cfgs[0].label}), lr {args.lrs}, seeds {args.seeds}, "
           f"{args.steps} steps, {device}, {precision}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    if args.attention:
+        for name in precisions or [precision]:
+            compare_attention(cfgs, device, name, args.rounds, args.kernel_steps)
+        return 0
     with tempfile.TemporaryDirectory() as root:
         per_run, packed = time_runs(cfgs, sequential, Path(root))
     sequential_total = per_run * len(cfgs)

@@ -240,6 +240,29 @@ def test_pack_bench_times_runs_and_both_batchings(tmp_path, script_here):
     assert vmap_ms > 0 and grouped_ms > 0
 
 
+def test_pack_bench_compares_the_packed_attention_paths(tmp_path, script_here):
+    out = script_here("pack_bench.py", "--attention", "--precisions", "fp32,bf16", "--lrs", "1e-3", "--seeds", "0,1",
+                      "--rounds", "1", "--kernel-steps", "1", "--overrides", "batch_size=2", "seq_len=16", cwd=tmp_path)
+    for precision in ("fp32", "bf16"):
+        lines = {path: line for line in out.splitlines() if line.startswith(f"attention {precision}: ")
+                 for path in ("vmap (before)", "folded, math forced", "folded (normlab)") if path in line}
+        assert len(lines) == 3, out
+        # the vmap path runs each member's attention kernel (2 members x 2 layers), the folded one each layer's
+        assert "flash_attention_for_cpu x4" in lines["vmap (before)"]
+        assert "flash_attention_for_cpu x2" in lines["folded (normlab)"]
+        assert "matmuls and softmax" in lines["folded, math forced"]
+        assert "loss 0.0e+00, gradient 0.0e+00" in lines["vmap (before)"]
+    folded = re.search(rf"loss {NUMBER}, gradient {NUMBER}", out.split("attention fp32: folded (normlab)")[1])
+    assert max(map(float, folded.groups())) <= 1e-5  # fp32: the same attention per batch row
+
+
+def test_pack_bench_refuses_an_unknown_precision(tmp_path, commands):
+    result = commands.run([sys.executable, SCRIPTS / "pack_bench.py", "--attention", "--precisions", "fp32,fp8"],
+                          tmp_path, {**os.environ, "WANDB_MODE": "disabled"})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == "pack_bench: --precisions 'fp32,fp8': each must be fp32, bf16 or fp16"
+
+
 # ------------------------------------------------ the CPU-size reproductions: each script end to end, at a tiny size
 
 # Hydra overrides for both sweeps of a *_cpu.sh script: a 2-block, 16-wide model for 2 steps (the presets'

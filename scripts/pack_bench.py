@@ -168,7 +168,7 @@ def time_kernels(cfgs, rounds: int, steps: int, device: torch.device, precision:
 
 
 class OpCount(TorchDispatchMode):
-    """The aten ops dispatched inside, and the attention kernels among them."""
+    """The aten ops dispatched inside, and the attention kernels among them, by the dtype of their first input."""
 
     def __init__(self):
         super().__init__()
@@ -178,7 +178,7 @@ class OpCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         if "attention" in func.name():
-            self.attention[func.name().removeprefix("aten::")] += 1
+            self.attention[f"{func.name().removeprefix('aten::')} {str(args[0].dtype).removeprefix('torch.')}"] += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -198,12 +198,13 @@ def test_the_math_attention_kernel_under_vmap_gives_each_members_loss_and_gradie
             torch.testing.assert_close(pack.params[name].grad[m], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("kernels", ["default", "math"])
+@pytest.mark.parametrize("kernels", ["folded", "default", "math"])
 def test_a_batchnorm_pack_runs_under_bf16_autocast_as_its_members_alone(kernels, monkeypatch):
     """BatchNorm's shift-free attention adds its query bias in float32, which promotes q under autocast; an
     ordinary forward's autocast casts attention's inputs back, vmap's did not (a GPU's 72-run ablation failed
     every BatchNorm pack: "Expected query, key, and value to have the same dtype"). Each member's loss and
-    gradients under bf16 autocast equal its model's alone, on the default and the math kernel (CUDA's)."""
+    gradients under bf16 autocast equal its model's alone: with folded attention (a pack's), and with attention
+    under vmap on the default and the math kernel (CUDA's)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import normlab.nn.packed as packed
     from normlab.train.loop import loss_fn  # in float32, as training's: vmap skips autocast's float32 casts
@@ -215,7 +216,7 @@ def test_a_batchnorm_pack_runs_under_bf16_autocast_as_its_members_alone(kernels,
     torch.manual_seed(0)
     members = [GPT(cfg), GPT(cfg)]
     assert members[0].blocks[0].attn.q_bias is not None
-    pack = PackedModel(members)
+    pack = PackedModel(members, fold_attention=kernels == "folded")
     x, y = torch.randint(0, 256, (2, 4, 16)), torch.randint(0, 256, (2, 4, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         losses = pack.losses(loss_fn, x, y)

@@ -102,3 +102,36 @@ def test_folded_attention_is_torchs_attention_alone_and_with_an_input_shared_by_
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
+
+
+def test_under_bf16_autocast_a_members_layers_compute_in_its_unpacked_runs_dtype():
+    """Under vmap a Linear decomposes into a matmul (autocast casts it) and an add of its float32 bias, which
+    promoted a member's layer outputs to float32, where its unpacked run's stay bf16: the pack casts the biases."""
+    from normlab.train.loop import loss_fn
+
+    cfg, members = _pack_and_members()
+    assert members[0].blocks[0].mlp.fc.bias is not None
+    seen = {}
+
+    def record(name):
+        def hook(module, inputs, output):
+            seen.setdefault(name, output.dtype)
+        return hook
+
+    x = torch.randint(0, 256, (3, 2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        handles = [members[0].blocks[0].mlp.fc.register_forward_hook(record("alone")),
+                   members[0].blocks[1].attn.proj.register_forward_hook(record("alone proj"))]
+        alone = loss_fn(members[0](x[0]), x[0])
+        for h in handles:
+            h.remove()
+        pack = PackedModel(members)
+        pack.template.blocks[0].mlp.fc.register_forward_hook(record("packed"))
+        pack.template.blocks[1].attn.proj.register_forward_hook(record("packed proj"))
+        losses = pack.losses(loss_fn, x, x)
+    assert seen == {"alone": torch.bfloat16, "alone proj": torch.bfloat16,
+                    "packed": torch.bfloat16, "packed proj": torch.bfloat16}
+    torch.testing.assert_close(losses[0], alone, rtol=1e-2, atol=0)
+    losses.sum().backward()
+    assert pack.params["blocks.0.mlp.fc.bias"].grad.dtype == torch.float32
+    assert pack.params["blocks.0.mlp.fc.bias"].grad.abs().sum() > 0

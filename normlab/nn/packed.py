@@ -113,6 +113,19 @@ class PackedModel:
         self.params: dict[str, torch.Tensor] = params
         self.buffers: dict[str, torch.Tensor] = buffers
         self._stepper = _AdvanceStatistics(self.template)  # built once: advance runs every step
+        self._linear_biases = {f"{name}.bias" for name, module in self.template.named_modules()
+                               if isinstance(module, nn.Linear) and f"{name}.bias" in params}
+
+    def _forward_params(self) -> dict[str, torch.Tensor]:
+        """The parameters a forward takes. Under autocast a Linear's bias joins its matmul in autocast's dtype
+        (addmm); under vmap linear becomes a matmul, which autocast casts, and an add of the float32 bias, which
+        would promote the layer's output, and all that follows it, to float32. So the biases are cast first,
+        and a member's layers compute in its unpacked run's dtype."""
+        device = next(iter(self.params.values())).device.type
+        if not self._linear_biases or not torch.is_autocast_enabled(device):
+            return self.params
+        dtype = torch.get_autocast_dtype(device)
+        return {name: p.to(dtype) if name in self._linear_biases else p for name, p in self.params.items()}
 
     def _member_logits(self, params, buffers, idx: torch.Tensor, tap=None) -> torch.Tensor:
         with folded_attention() if self.fold_attention else attention_kernels(idx.device):
@@ -120,7 +133,7 @@ class PackedModel:
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """(M, B, T, vocab) logits for token ids of shape (M, B, T): member m reads idx[m]."""
-        return vmap(self._member_logits)(self.params, self.buffers, idx)
+        return vmap(self._member_logits)(self._forward_params(), self.buffers, idx)
 
     def losses(self, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool = False, watcher=None):
         """Each member's loss_fn(logits, targets), shape (M,). `shared`: x and y, (B, T), are the same for
@@ -135,7 +148,7 @@ class PackedModel:
             def member(params, buffers, xm, ym):
                 return loss_fn(self._member_logits(params, buffers, xm), ym)
 
-            return vmap(member, in_dims=(0, 0, data_dims, data_dims))(self.params, self.buffers, x, y)
+            return vmap(member, in_dims=(0, 0, data_dims, data_dims))(self._forward_params(), self.buffers, x, y)
 
         def watched(params, buffers, xm, ym, taps):
             tap = watcher.begin(taps)
@@ -143,7 +156,8 @@ class PackedModel:
             return loss, watcher.end()
 
         taps = watcher.taps(self.size, x)
-        loss, seen = vmap(watched, in_dims=(0, 0, data_dims, data_dims, 0))(self.params, self.buffers, x, y, taps)
+        loss, seen = vmap(watched, in_dims=(0, 0, data_dims, data_dims, 0))(self._forward_params(), self.buffers, x,
+                                                                            y, taps)
         watcher.absorb(seen)
         return loss
 

@@ -18,7 +18,8 @@ step before it), i.e. what one telemetry step adds.
 real training run dispatches, plain and with telemetry, for the medium preset (8 blocks, width 256, batch
 32 × 128) and GPT-2 small's shape (12 blocks, width 768, 12 heads, at batch 8 × 128 so that the CPU runs it;
 `--ops-shapes` picks them, `--ops-batch`, `--ops-seq` set their size): on a GPU each op is at least one kernel
-launch.
+launch. `--ops-stack-elements N` counts them with the Probe's stacks capped at N elements as on CUDA
+(normlab.train.probe_sites.CUDA_STACK_ELEMENTS, 16777216; the CPU's cap is smaller).
 
 `--isolated` and `--ops` run in fresh processes (`--processes` of them for `--isolated`, 2 by default); `--base
 REF` measures them also for the package at git REF (a `git archive` of it, imported instead of this tree's),
@@ -26,7 +27,7 @@ the two alternated process after process, and prints both.
 
     python scripts/bench_telemetry.py [--rounds 8] [--windows 2] [--threads N] [--batch 32] [--seq 128]
                                       [--isolated 0] [--model small] [--processes 2] [--ops] [--ops-shapes medium,gpt2]
-                                      [--ops-batch B] [--ops-seq T] [--base REF] [--device cpu] [--precision fp32]
+                                      [--ops-batch B] [--ops-seq T] [--ops-stack-elements N] [--base REF] [--device cpu] [--precision fp32]
 """
 
 from __future__ import annotations
@@ -153,6 +154,10 @@ def measure(args) -> dict:
                             2 * args.isolated + 3, False)
         out["isolated"] = [(times[2 * k + 1], times[2 * k + 2]) for k in range(1, args.isolated + 1)]
     if args.ops:
+        if args.ops_stack_elements:  # as the Probe stacks on CUDA (probe_sites.CUDA_STACK_ELEMENTS), on the CPU
+            import normlab.train.probe_sites
+
+            normlab.train.probe_sites.STACK_ELEMENTS = args.ops_stack_elements
         out["ops"] = {}
         for shape in args.ops_shapes.split(","):
             overrides, (batch, seq) = OPS_SHAPES[shape][1], ops_size(shape, args)
@@ -186,7 +191,7 @@ def measured_in(tree: str, args, ops: bool) -> dict:
     flags = ["--measure", "--isolated", str(args.isolated), "--model", args.model, "--batch", str(args.batch),
              "--seq", str(args.seq),
              "--device", args.device, "--precision", args.precision, "--ops-batch", str(args.ops_batch or 0),
-             "--ops-seq", str(args.ops_seq or 0), "--ops-shapes", args.ops_shapes, *(["--ops"] if ops else []),
+             "--ops-seq", str(args.ops_seq or 0), "--ops-stack-elements", str(args.ops_stack_elements), "--ops-shapes", args.ops_shapes, *(["--ops"] if ops else []),
              *(["--threads", str(args.threads)] if args.threads else [])]
     env = {**os.environ, "PYTHONPATH": tree}
     done = subprocess.run([sys.executable, __file__, *flags], env=env, check=True, capture_output=True, text=True)
@@ -201,7 +206,8 @@ def print_ops(results: dict[str, dict], args) -> None:
         depth, width = ("8", "256") if shape == "medium" else ("12", "768")
         size = "batch {} x seq {}".format(*ops_size(shape, args))
         print(f"\naten ops per training step, {OPS_SHAPES[shape][0]} ({depth} blocks x {width}, {size}), {args.device} "
-              f"{args.precision}, eager, telemetry step against the plain step before it:")
+              f"{args.precision}, eager, telemetry step against the plain step before it"
+              + (f", the Probe's stacks capped at {args.ops_stack_elements} elements:" if args.ops_stack_elements else ":"))
         print(f"{'package':<28}{'plain':>8}{'telemetry':>11}{'added':>8}{'added/plain':>13}")
         for name, result in results.items():
             counts = result["ops"][shape]
@@ -279,6 +285,8 @@ def main() -> int:
     parser.add_argument("--ops-shapes", default="medium,gpt2", help=f"--ops: comma-separated, of {', '.join(OPS_SHAPES)}")
     parser.add_argument("--ops-batch", type=int, default=0, help="--ops: this batch for both shapes (0: their own)")
     parser.add_argument("--ops-seq", type=int, default=0, help="--ops: this sequence length (0: their own)")
+    parser.add_argument("--ops-stack-elements", type=int, default=0,
+                        help="--ops: the Probe's stack cap on the CPU (16777216: CUDA's; 0: the CPU's own)")
     parser.add_argument("--base", default=None, help="git ref of the package to measure beside this tree")
     parser.add_argument("--processes", type=int, default=2, help="--isolated: fresh processes per package, alternated")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="--isolated and --ops: the device")

@@ -14,6 +14,7 @@ per-layer. This module is the one place that builds and parses them; it imports 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, Iterable, Mapping, NamedTuple
@@ -47,6 +48,7 @@ def layer_key(stat: str, label: str, part: str | None = None) -> str:
     return f"{stat}/{label}" + (f"/{part}" if part else "")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a run's keys recur every logged step; a LayerKey is immutable
 def parse(key: str) -> LayerKey | None:
     """The parts of a per-layer key, or None for any other key."""
     m = _LAYER_KEY.match(key)

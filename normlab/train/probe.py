@@ -90,6 +90,10 @@ class Probe:
         self._norms = norm_modules(model, self.labels)
         self._eps_floors = eps_floors(self._norms)
         self._norm_groups = norm_parameter_groups(model, self._norms)
+        # Each group's tensors as (module, attribute): read afresh each step (a buffer may be reassigned), without
+        # walking the module tree by name.
+        self._norm_sources = {group: [(model.get_submodule(owner), attr) for owner, _, attr in
+                                      (name.rpartition(".") for name in group.names)] for group in self._norm_groups}
         self._softcap = getattr(model.blocks[0].attn, "softcap", None)
         self._width = model.tok_emb.embedding_dim
         self._grad_keys = ("grad/embed_rms", *(layer_key("grad/resid_rms", label) for label in self.labels))
@@ -161,7 +165,8 @@ class Probe:
         current scale is kept (as a device tensor: no host sync) to divide them by.
         """
         self._grad_norms = l2_norms([p.grad for p in self._params])
-        self._scale = scaler.scale(torch.ones((), device=self._params[0].device))
+        if scaler.is_enabled():  # fp16; otherwise the loss was not scaled
+            self._scale = scaler.scale(torch.ones((), device=self._params[0].device))
 
     @torch.no_grad()
     def before_update(self) -> None:
@@ -182,8 +187,7 @@ class Probe:
 
     def _stacked(self, group: NormParams) -> torch.Tensor:
         """The model's tensors of `group` stacked, (len(group.names), members, *shape)."""
-        get = self.model.get_buffer if group.kind == "running_var" else self.model.get_parameter
-        return torch.stack([get(name) for name in group.names]).unsqueeze(1)
+        return torch.stack([getattr(module, attr) for module, attr in self._norm_sources[group]]).unsqueeze(1)
 
     def collect(self) -> dict[str, float]:
         """Finish the step and return every statistic as {key: float}.
@@ -196,7 +200,9 @@ class Probe:
     @torch.no_grad()
     def _collect_members(self) -> list[dict[str, float]]:
         """Finish the step: each member's statistics."""
-        deltas = None if self._before is None else self._norms_of(torch._foreach_sub(self._weights(), self._before))
+        if self._before is not None:  # the snapshot becomes the update, in place: no second copy of every weight
+            torch._foreach_sub_(self._before, self._weights())
+        deltas = None if self._before is None else self._norms_of(self._before)
         stats = [self._combine(host) for host in self._to_host(self._device_parts(deltas))]
         self._reset()
         return stats

@@ -19,6 +19,10 @@ The added time is cut at the loop's hooks into:
     (c) sinks        the loop's `emit` (the sinks' log of the row) and the callbacks after it (on_step_end)
     other            the rest (the other callbacks' after_optimizer_step)
 
+On a GPU (`--device cuda`, e.g. `--width 256 --batch 32 --seq 128`: the medium preset itself) the same split is
+of the real cost, without a profiler's overhead: the host waits for the device where the step reads a value (the
+loss on every logged step, the row's one transfer), so a phase's wall time is its host work or that wait.
+
 With `--ops`, also the aten ops (a TorchDispatchMode: independent of the machine) of each phase, from one pair.
 `--base REF` measures the package at git REF too (a `git archive` of it, as scripts/bench_telemetry.py does), the
 two alternated process after process, `--processes` each.
@@ -135,7 +139,7 @@ def measure(args) -> dict:
     instrument(marks)
     steps = 2 * args.pairs + 3
     cfg = bench.compose(["model=medium", f"model.d_model={args.width}", f"batch_size={args.batch}", f"seq_len={args.seq}",
-                         "device=cpu", f"precision={args.precision}",
+                         f"device={args.device}", f"precision={args.precision}",
                          f"compile={str(args.compile).lower()}", "telemetry.every=2", f"max_steps={steps}", "log_every=1",
                          "eval_every=0", "eval_batches=1", "progress=false", "ckpt.every=0", "wandb.mode=offline",
                          f"sinks=[{args.sinks}]"])
@@ -159,7 +163,7 @@ def archived(ref: str, into: str) -> str:
 
 def measured_in(tree: str, args) -> dict:
     flags = ["--measure", "--width", str(args.width), "--batch", str(args.batch), "--seq", str(args.seq), "--pairs",
-             str(args.pairs), "--sinks", args.sinks, "--precision", args.precision, *(["--ops"] if args.ops else []),
+             str(args.pairs), "--sinks", args.sinks, "--precision", args.precision, "--device", args.device, *(["--ops"] if args.ops else []),
              *(["--compile"] if args.compile else [])]
     env = {**os.environ, "PYTHONPATH": tree}
     done = subprocess.run([sys.executable, __file__, *flags], env=env, check=True, capture_output=True, text=True)
@@ -171,7 +175,7 @@ def measured_in(tree: str, args) -> dict:
 
 def report(results: dict[str, list[dict]], args) -> None:
     print(f"host time a telemetry step adds over the plain logged step before it, medium preset's structure (8 blocks, "
-          f"8 heads) at width {args.width}, batch {args.batch} x seq {args.seq}, CPU {args.precision}, "
+          f"8 heads) at width {args.width}, batch {args.batch} x seq {args.seq}, {args.device} {args.precision}, "
           f"{'compiled' if args.compile else 'eager'}, 1 torch thread, sinks "
           f"{args.sinks}; medians over {args.pairs} pairs per process, ms (wall / process CPU"
           f"{' / aten ops' if args.ops else ''})")
@@ -198,6 +202,7 @@ def main() -> int:
     parser.add_argument("--sinks", default="jsonl,wandb", help="the run's sinks (comma-separated)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="bf16: autocast, as on a GPU")
     parser.add_argument("--compile", action="store_true", help="compile=true")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the same split on a GPU")
     parser.add_argument("--ops", action="store_true", help="also count each phase's aten ops")
     parser.add_argument("--processes", type=int, default=2, help="fresh processes per package, alternated")
     parser.add_argument("--base", default=None, help="git ref of the package to measure beside this tree")

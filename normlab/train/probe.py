@@ -54,7 +54,7 @@ from normlab.train.probe_norms import (
     norm_parameter_groups,
     norm_parameter_stats,
 )
-from normlab.train.probe_params import group_stats, param_groups
+from normlab.train.probe_params import group_figures, group_stats, param_groups
 from normlab.train.probe_sites import PROBE_SEQS, Entry, Plan, Recorder, read_entries
 from normlab.train.probe_stats import l2_norms
 
@@ -87,6 +87,7 @@ class Probe:
         depth = len(model.blocks)
         self.labels = tuple(layer_label(i, depth) for i in range(depth))
         self._params, self._groups = param_groups(model, self.labels)
+        self._figures = group_figures(self._groups, self.labels)
         self._norms = norm_modules(model, self.labels)
         self._eps_floors = eps_floors(self._norms)
         self._norm_groups = norm_parameter_groups(model, self._norms)
@@ -251,6 +252,5 @@ class Probe:
             keys = [key for keys, _ in self._norm_values for key in keys]
             stats.update(zip(keys, host["norm"]))
         stats.update(eps_ratios(stats, self._eps_floors))
-        stats.update(group_stats(self._groups, self.labels, host.get("grad", []), host.get("weight", []),
-                                 host.get("delta", [])))
+        stats.update(group_stats(self._figures, host.get("grad", []), host.get("weight", []), host.get("delta", [])))
         return dict(sorted(stats.items()))

@@ -60,21 +60,23 @@ def figure_members(groups: dict[str, list[int]], loc: str, labels: tuple[str, ..
     return groups.get(f"{loc}/attn", []) + groups.get(f"{loc}/mlp", [])
 
 
-def group_stats(groups: dict[str, list[int]], labels: tuple[str, ...], grad: list[float], weight: list[float],
+def group_figures(groups: dict[str, list[int]], labels: tuple[str, ...]) -> list[tuple[str, str, list[int]]]:
+    """(gradient-norm key, update-ratio key, members) of each group: what `group_stats` computes, made once."""
+    return [(GROUP_GRAD_KEYS.get(loc, f"grad/norm/{loc}"), f"update_ratio/{loc}", figure_members(groups, loc, labels))
+            for loc in groups]
+
+
+def group_stats(figures: list[tuple[str, str, list[int]]], grad: list[float], weight: list[float],
                 delta: list[float]) -> dict[str, float]:
     """grad/norm/<loc> (and GROUP_GRAD_KEYS) and update_ratio/<loc> from each parameter's gradient, weight and
-    update norms (empty lists: not measured)."""
+    update norms (empty lists: not measured); `figures`: group_figures. A group's norm is the root of the sum of
+    its members' squared norms."""
+    grad2, weight2, delta2 = ([v * v for v in norms] for norms in (grad, weight, delta))
     stats = {}
-    for loc in groups:
-        members = figure_members(groups, loc, labels)
+    for grad_key, ratio_key, members in figures:
         if grad:
-            stats[GROUP_GRAD_KEYS.get(loc, f"grad/norm/{loc}")] = _group_norm(grad, members)
+            stats[grad_key] = math.sqrt(sum(grad2[i] for i in members))
         if delta:
-            norm = _group_norm(weight, members)
-            stats[f"update_ratio/{loc}"] = _group_norm(delta, members) / norm if norm > 0 else math.nan
+            norm = math.sqrt(sum(weight2[i] for i in members))
+            stats[ratio_key] = math.sqrt(sum(delta2[i] for i in members)) / norm if norm > 0 else math.nan
     return stats
-
-
-def _group_norm(norms: list[float], members: list[int]) -> float:
-    """The L2 norm of a group of tensors, from each member's L2 norm."""
-    return math.sqrt(sum(norms[i] ** 2 for i in members))

@@ -283,19 +283,20 @@ def read_entries(entries: tuple[Entry, ...], counts: list[int], values: list[flo
     offset = 0
     for entry, count in zip(entries, counts):
         for key in entry.keys:
-            stats.update(_finish(entry.kind, key, values[offset : offset + entry.width], count))
+            _finish(stats, entry.kind, key, values[offset : offset + entry.width], count)
             offset += entry.width
     return stats
 
 
-def _finish(kind: str, key: str, values: list[float], count: int) -> dict[str, float]:
+def _finish(stats: dict[str, float], kind: str, key: str, values: list[float], count: int) -> None:
+    """Put the statistic(s) of `key` into `stats`."""
     if kind == "rms":
-        return {key: math.sqrt(values[0] / count)}
-    if kind == "mean":
-        return {key: values[0] / count}
-    if kind == "kurtosis":
-        return {key: feature_kurtosis(values)}
-    if kind == "entropy":
-        mean, smallest = head_entropy_stats(values, count)
-        return {key: mean, layer_key("attn/entropy_min", parse(key).label): smallest}
-    return {key: values[0]}
+        stats[key] = math.sqrt(values[0] / count)
+    elif kind == "mean":
+        stats[key] = values[0] / count
+    elif kind == "kurtosis":
+        stats[key] = feature_kurtosis(values)
+    elif kind == "entropy":
+        stats[key], stats[layer_key("attn/entropy_min", parse(key).label)] = head_entropy_stats(values, count)
+    else:
+        stats[key] = values[0]

@@ -145,7 +145,8 @@ def measure(args) -> dict:
                          f"sinks=[{args.sinks}]"])
     with tempfile.TemporaryDirectory() as run_dir:
         train(cfg, run_dir, callbacks=[meter(marks)], echo=False)
-        keys = sum(1 for _ in open(Path(run_dir) / "metrics.jsonl").readline().split(","))
+        with open(Path(run_dir) / "metrics.jsonl") as lines:
+            keys = len(json.loads(lines.readline()))  # step 0's row: a telemetry step's
     per_step = phases_of(marks.events)
     pairs = [(per_step[2 * k + 1], per_step[2 * k + 2]) for k in range(1, args.pairs + 1)]  # (plain, telemetry)
     added = {phase: [[t.get(phase, (0, 0, 0))[i] - p.get(phase, (0, 0, 0))[i] for p, t in pairs] for i in range(3)]

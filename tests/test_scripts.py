@@ -125,6 +125,19 @@ def test_telemetry_profile_profiles_a_telemetry_step_beside_a_plain_one(tmp_path
     assert report.startswith("tiny (model=tiny") and report.strip() in out
 
 
+def test_telemetry_host_splits_what_a_telemetry_step_adds_by_phase(tmp_path, script_here):
+    out = script_here("telemetry_host.py", "--pairs", "2", "--processes", "1", "--sinks", "jsonl", "--ops", cwd=tmp_path)
+    assert "(8 blocks, 8 heads) at width 16, batch 8 x seq 16, cpu bf16, eager, 1 torch thread, sinks jsonl" in out
+    line = next(line for line in out.splitlines() if line.startswith("this tree "))
+    cells = [(float(w), float(c), int(o)) for w, c, o in re.findall(r"(-?\d+\.\d+)/(-?\d+\.\d+)/(-?\d+)", line)]
+    assert len(cells) == 5  # statistics, row, other, sinks, total: (wall ms, CPU ms, aten ops)
+    statistics, row_, other, sinks, total = cells
+    assert statistics[2] > 0 and row_[2] > 0  # the Probe's ops, its transfer's
+    assert other[2] == 0 and sinks[2] == 0  # writing a row to metrics.jsonl dispatches no op
+    assert total[2] == statistics[2] + row_[2] and row_[1] > 0
+    assert int(re.search(r"\((\d+) keys a row\)", line).group(1)) > 200
+
+
 def test_checkpoint_cost_saves_and_restores_the_tiny_model(tmp_path, script_here):
     out = script_here("checkpoint_cost.py", "tiny", "2", cwd=tmp_path)
     assert "model=tiny depth=2 d_model=32" in out

@@ -14,7 +14,8 @@ class ComposedOnce:
     sweeper composes every job of a batch to validate it, then the launcher composes it again to run it
     (0.2 s a job). Outside a launch (the sweeper validating), a copy of each config composed is kept; in
     the launch, the first call for a job takes its copy (so every caller gets a config of its own), and
-    the launch's end forgets what no call took. At most `keep` are kept."""
+    the launch's end forgets what no call took. At most `keep` are kept. Pickled (a config loader sent to a worker
+    process), it is the method it wraps: the worker composes its jobs itself, and the configs kept stay here."""
 
     def __init__(self, load, keep: int = 256):
         self.load, self.keep, self.kept = load, keep, {}
@@ -28,6 +29,9 @@ class ComposedOnce:
         if not self.launching and len(self.kept) < self.keep:
             self.kept[key] = copy.deepcopy(sweep_config)  # a copy of its own: callers set their job's fields
         return sweep_config
+
+    def __reduce__(self):
+        return getattr, (self.load.__self__, self.load.__name__)
 
     @contextlib.contextmanager
     def launch(self):

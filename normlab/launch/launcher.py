@@ -352,8 +352,9 @@ class NormlabLauncher(BasicLauncher):
         try:
             while pending or running:
                 for slot in [s for s in range(len(slots)) if s not in {s for s, _ in running.values()}]:
-                    if not pending or stop is not None:
-                        break
+                    if not pending or stop is not None:  # an idle worker ends now, beside the last units
+                        workers.release(slot)
+                        continue
                     # One line per job, no interleaved bars.
                     unit = [(idx, [*overrides, "progress=false"]) for idx, overrides in pending.pop()]
                     place = "CPU" if slots[slot] is None else f"GPU {slots[slot]}"

@@ -75,6 +75,10 @@ class Workers:
             pool.shutdown(wait=False, cancel_futures=True)
         del self.pools[n:], self.slots[n:]
 
+    def release(self, slot: int) -> None:
+        """`slot` takes no more units: its worker ends, without waiting for it (shutdown does)."""
+        self.pools[slot].shutdown(wait=False)
+
     def shutdown(self) -> None:
         """Every worker ends, after its unit at hand; the units not started are dropped."""
         for pool in self.pools:

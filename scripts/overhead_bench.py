@@ -1,7 +1,7 @@
 """Time outside training, this checkout against a base commit: a one-step run and a small CPU sweep, interleaved.
 
     python scripts/overhead_bench.py [--base COMMIT] [--repeats 3] [--jobs 8] [--cpu-jobs 2] [--steps 100]
-                                     [--threads N] [OVERRIDE ...]
+                                     [--threads N] [--ablation] [OVERRIDE ...]
 
 The two commands of issue 38's item 3, run as real processes (`python -m normlab`, wandb offline as by
 default), alternately with this checkout's normlab and with a `git archive` of `--base` (default: the
@@ -12,6 +12,11 @@ merge base of HEAD and main) extracted to a temporary dir, first on PYTHONPATH:
           (target <= 40%). A job's training loop is its steps and evaluations: summary.json's phases
           compile + train + eval where it has them, and train_time_s + eval_time_s (the base's measure, also
           printed for this checkout) otherwise.
+With `--ablation` it times instead the shape of issue 38's GPU ablation on the CPU:
+  ablation `normlab train -m norm=none,layer,rms,batch placement=pre,post lr=1e-3,3e-3,1e-2 seed=0,1,2 model=tiny
+          max_steps=2 pack=true device=cpu hydra.launcher.cpu_jobs=2`: 72 runs in 8 packs, two workers; the seconds
+          from the command's start to the first run's first step (its head, where the GPU sat idle) and from the last
+          run's end to the command's exit (its tail), read from the runs' normlab.log lines.
 Each command's process CPU time (user + sys of it and its children, from getrusage(RUSAGE_CHILDREN)) is
 printed beside its wall time: far less sensitive than wall time to other work on the machine. Medians over
 `--repeats` rounds; the load average is printed before each round and at the end. OVERRIDEs are added to
@@ -23,6 +28,7 @@ torch's waiting threads spin, and one thread makes the single run's CPU time far
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import resource
@@ -31,11 +37,19 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import re
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SINGLE = ["model=tiny", "max_steps=1", "eval_every=1"]
+ABLATION = ["norm=none,layer,rms,batch", "placement=pre,post", "lr=1e-3,3e-3,1e-2", "seed=0,1,2", "model=tiny",
+            "max_steps=2", "pack=true", "device=cpu"]
+# A run's first line (normlab.train.callbacks.report, a pack's in normlab.train.pack.trainer), logged as its first step
+# begins, and its last, logged as its training loop ends; each stamped to the millisecond by the job log.
+STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[normlab\]\[INFO\] - "
+FIRST_LINE = re.compile(STAMP + r".*: \S+, \w+, [\d,]+ parameters( each|.*, run dir )")
+LAST_LINE = re.compile(STAMP + r"\S+ \w+: final val loss ")
 
 
 def extract(commit: str, into: Path) -> Path:
@@ -105,6 +119,42 @@ def run_round(name: str, env: dict[str, str], work: Path, args, results: dict) -
         subprocess.run(["rm", "-rf", str(path)], check=True)
 
 
+def log_times(sweep_dir: Path, pattern: re.Pattern) -> list[float]:
+    """The times (time.time()) of the lines matching `pattern` in the job logs (normlab.log) under `sweep_dir`, each
+    line once (a pack's lines are in each of its members' logs)."""
+    lines = {line for log in sweep_dir.rglob("normlab.log") for line in log.read_text(errors="replace").splitlines()}
+    stamps = [match.group(1) for line in lines if (match := pattern.match(line))]
+    return [datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp() for stamp in stamps]
+
+
+def run_ablation(name: str, env: dict[str, str], work: Path, args, results: dict) -> None:
+    """The 72-run grid: its wall and CPU time, its head (start to the first run's first step) and its tail (the last
+    run's end to the exit)."""
+    sweep_dir = work / f"{name}-ablation"
+    started = time.time()
+    wall, cpu = timed(["train", "-m", *ABLATION, *args.overrides, f"hydra.launcher.cpu_jobs={args.cpu_jobs}",
+                       f"hydra.sweep.dir={sweep_dir}"], env, work)
+    ended = started + wall
+    firsts, lasts = log_times(sweep_dir, FIRST_LINE), log_times(sweep_dir, LAST_LINE)
+    if len(lasts) != 72:
+        raise SystemExit(f"overhead_bench.py: {name}'s ablation: expected 72 runs' last lines, found {len(lasts)}")
+    results[name]["ablation"].append((wall, cpu, min(firsts) - started, ended - max(lasts)))
+    subprocess.run(["rm", "-rf", str(sweep_dir)], check=True)
+
+
+def report_ablation(results: dict, args) -> None:
+    med = statistics.median
+    print(f"\nmedians over {args.repeats} rounds; load average (1, 5, 15 min) at the end: "
+          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"ablation grid ({' '.join(ABLATION + args.overrides)} hydra.launcher.cpu_jobs={args.cpu_jobs}): 72 runs; "
+          "head: the command's start to the first run's first step; tail: the last run's end to the exit")
+    for name, rows in results.items():
+        walls, cpus, heads, tails = zip(*rows["ablation"])
+        print(f"  {name:<5} {med(walls):6.2f} s wall  {med(cpus):6.2f} s CPU  head {med(heads):6.2f} s  tail "
+              f"{med(tails):5.2f} s   (heads {', '.join(f'{h:.1f}' for h in heads)}; tails "
+              f"{', '.join(f'{t:.1f}' for t in tails)})")
+
+
 def sweep_job(args) -> list[str]:
     return ["model=tiny", f"max_steps={args.steps}", f"eval_every={max(1, args.steps // 2)}"]
 
@@ -142,6 +192,7 @@ def main() -> int:
     parser.add_argument("--cpu-jobs", type=int, default=2, help="hydra.launcher.cpu_jobs of the sweep")
     parser.add_argument("--steps", type=int, default=100, help="max_steps of the sweep's jobs (eval_every: half)")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of both commands (default: unset)")
+    parser.add_argument("--ablation", action="store_true", help="time the 72-run ablation grid's head and tail instead")
     parser.add_argument("overrides", nargs="*", help="normlab overrides added to both commands")
     args = parser.parse_args()
     base_commit = args.base or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True,
@@ -155,12 +206,12 @@ def main() -> int:
         print(f"OMP_NUM_THREADS={envs['new'].get('OMP_NUM_THREADS', '(unset)')}, WANDB_MODE={envs['new']['WANDB_MODE']}")
         for name, env in envs.items():  # the token cache, and the first-use costs of a fresh machine, out of the timings
             timed(["train", *SINGLE, *args.overrides, f"hydra.run.dir={work / ('warm-' + name)}"], env, work)
-        results = {name: {"single": [], "sweep": []} for name in envs}
+        results = {name: {"single": [], "sweep": [], "ablation": []} for name in envs}
         for round_ in range(args.repeats):
             print(f"round {round_ + 1}: load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
             for name, env in (envs.items() if round_ % 2 == 0 else reversed(envs.items())):
-                run_round(name, env, work, args, results)
-        report(results, args)
+                (run_ablation if args.ablation else run_round)(name, env, work, args, results)
+        (report_ablation if args.ablation else report)(results, args)
     return 0
 
 

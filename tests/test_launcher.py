@@ -115,3 +115,34 @@ def test_composed_once_hands_the_validated_config_to_the_launch_once_and_keeps_n
     with once.launch():
         once(master, ["seed=1"])
     assert len(composed) == 5  # the next batch: validated, then taken
+
+
+class _Loader:
+    def load_sweep_config(self, master, overrides):
+        return list(overrides)
+
+
+def test_composed_once_travels_to_a_worker_as_the_method_it_wraps():
+    import pickle
+
+    from normlab.launch.composed import ComposedOnce
+
+    loader = _Loader()
+    loader.load_sweep_config = ComposedOnce(loader.load_sweep_config)
+    loader.load_sweep_config({}, ["seed=0"])  # kept here, for this process's launch
+    sent = pickle.loads(pickle.dumps(loader))
+    assert not isinstance(sent.load_sweep_config, ComposedOnce)  # the worker composes its jobs itself
+    assert sent.load_sweep_config({}, ["seed=1"]) == ["seed=1"]
+    assert len(loader.load_sweep_config.kept) == 1
+
+
+def test_workers_start_pinned_and_only_the_slots_used_stay():
+    from normlab.launch.workers import Workers
+
+    workers = Workers(["0", "1", "0"], threads=2, fraction=0.3, warm=False)
+    try:
+        workers.keep(2)  # a sweep of two units: the third worker goes
+        assert len(workers) == 2 and workers.slots == ["0", "1"]
+        assert [workers[slot].submit(_seen).result() for slot in range(2)] == [("0", "2"), ("1", "2")]
+    finally:
+        workers.shutdown()

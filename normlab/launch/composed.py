@@ -6,7 +6,10 @@ import contextlib
 import copy
 from typing import List
 
-from omegaconf import DictConfig
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from omegaconf import DictConfig, OmegaConf
+
+from normlab.launch.derived import Composer
 
 
 class ComposedOnce:
@@ -14,20 +17,42 @@ class ComposedOnce:
     sweeper composes every job of a batch to validate it, then the launcher composes it again to run it
     (0.2 s a job). Outside a launch (the sweeper validating), a copy of each config composed is kept; in
     the launch, the first call for a job takes its copy (so every caller gets a config of its own), and
-    the launch's end forgets what no call took. At most `keep` are kept."""
+    the launch's end forgets what no call took. At most `keep` are kept. The sweeper's calls compose by way of a
+    Composer: only the first job of each shape is composed whole (normlab.launch.derived). Pickled (a config loader
+    sent to a worker process), it is the method it wraps: the worker composes its jobs itself, and the configs kept
+    stay here."""
 
     def __init__(self, load, keep: int = 256):
         self.load, self.keep, self.kept = load, keep, {}
         self.launching = False
+        self.composer: Composer | None = None
 
     def __call__(self, master_config: DictConfig, sweep_overrides: List[str]) -> DictConfig:
         key = (id(master_config), tuple(sweep_overrides))
         if self.launching and key in self.kept:
             return self.kept.pop(key)
-        sweep_config = self.load(master_config, sweep_overrides)
+        sweep_config = self._validated(master_config, sweep_overrides) if not self.launching else None
+        if sweep_config is None:
+            sweep_config = self.load(master_config, sweep_overrides)
         if not self.launching and len(self.kept) < self.keep:
             self.kept[key] = copy.deepcopy(sweep_config)  # a copy of its own: callers set their job's fields
         return sweep_config
+
+    def _validated(self, master_config: DictConfig, sweep_overrides: List[str]) -> DictConfig | None:
+        """The job's config as Hydra's ConfigLoaderImpl.load_sweep_config composes it, by way of a Composer: jobs
+        that differ from an earlier one only in values are not composed again (normlab.launch.derived). None where
+        the method wrapped is not a ConfigLoaderImpl's."""
+        loader = getattr(self.load, "__self__", None)
+        if not isinstance(loader, ConfigLoaderImpl):
+            return None
+        if self.composer is None or self.composer.config_name != master_config.hydra.job.config_name:
+            self.composer = Composer(loader, master_config.hydra.job.config_name)
+        sweep_config = self.composer([*master_config.hydra.overrides.hydra, *sweep_overrides])
+        OmegaConf.copy_cache(from_config=master_config, to_config=sweep_config)  # as load_sweep_config does
+        return sweep_config
+
+    def __reduce__(self):
+        return getattr, (self.load.__self__, self.load.__name__)
 
     @contextlib.contextmanager
     def launch(self):

@@ -4,6 +4,9 @@ normlab's default launcher (conf/config.yaml). On a machine with GPUs it runs `j
 once on each visible GPU: one worker process per slot, pinned to its GPU by CUDA_VISIBLE_DEVICES
 (slots are dealt round robin, so a sweep smaller than the slots still spreads over the GPUs), each
 worker running its slot's jobs one after another and releasing the GPU's cached memory after each.
+The workers start when the sweep is set up and import the training stack while the sweeper composes the
+jobs (normlab.launch.workers); the configs composed then are the ones the launch uses (normlab.launch.composed:
+each job is composed once in this process, pack_units included).
 Without a GPU it runs `cpu_jobs` at once, by default 1: the jobs run one after another in this
 process, exactly as Hydra's basic launcher runs them (a 2-core CPU gains nothing from more).
 
@@ -43,8 +46,7 @@ import gc
 import logging
 import os
 import pickle
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from multiprocessing import get_context
+from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
@@ -62,6 +64,8 @@ from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
 from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
 from normlab.launch.task import ended_job, gone_member, member_result, pack_member, train_members
+from normlab.launch.workers import Workers
+from normlab.launch.workers import pin_worker as _pin_worker  # noqa: F401  (a worker's start, as the tests call it)
 from normlab.train.ending import drain
 
 log = logging.getLogger(__name__)
@@ -106,22 +110,15 @@ def threads_per_job(concurrent: int) -> int:
     return max(1, cores // concurrent)
 
 
-def _pin_worker(gpu: Optional[str], threads: int, memory_fraction: float, env: Optional[dict] = None) -> None:
-    """A worker's start: pin it to its GPU and its share of the CPU threads, and point it to the sweep's MPS
-    daemon (`env`), before torch is imported."""
-    os.environ.update(env or {})
-    if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["NORMLAB_WORKER_MEMORY_FRACTION"] = str(memory_fraction)
-
-
-def _compose(hydra_context, config, idx: int, overrides: Sequence[str]) -> DictConfig:
-    """Job `idx`'s config as Hydra's basic launcher composes it (hydra node included), set as HydraConfig's."""
-    sweep_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
-    with open_dict(sweep_config):
-        sweep_config.hydra.job.id = idx
-        sweep_config.hydra.job.num = idx
+def _compose(hydra_context, config, idx: int, overrides: Sequence[str], composed: Optional[DictConfig] = None) -> DictConfig:
+    """Job `idx`'s config as Hydra's basic launcher composes it (hydra node included), set as HydraConfig's;
+    `composed`: the job's config as this function gave it before (pack_units'), taken as it is."""
+    sweep_config = composed
+    if sweep_config is None:
+        sweep_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+        with open_dict(sweep_config):
+            sweep_config.hydra.job.id = idx
+            sweep_config.hydra.job.num = idx
     HydraConfig.instance().set_config(sweep_config)
     return sweep_config
 
@@ -131,23 +128,27 @@ def _run(hydra_context, task_function, sweep_config: DictConfig) -> JobReturn:
                    job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
 
 
-def run_unit(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, task_function) -> list[JobReturn]:
+def run_unit(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, task_function,
+             composed: Optional[dict] = None) -> list[JobReturn]:
     """A unit of the sweep, as (job number, overrides) pairs: one job, run as Hydra's basic launcher runs it,
-    or a pack's jobs (run_pack). Returns their JobReturns in order."""
+    or a pack's jobs (run_pack). `composed`: configs pack_units composed, by job number (those used are taken
+    out). Returns their JobReturns in order."""
+    composed = {} if composed is None else composed
     if len(unit) > 1:
-        return run_pack(unit, hydra_context, config)
+        return run_pack(unit, hydra_context, config, composed)
     [(idx, overrides)] = unit
-    sweep_config = _compose(hydra_context, config, idx, overrides)
+    sweep_config = _compose(hydra_context, config, idx, overrides, composed.pop(idx, None))
     return [ended_job(hydra_context, sweep_config) or _run(hydra_context, task_function, sweep_config)]
 
 
-def run_pack(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config) -> list[JobReturn]:
+def run_pack(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, composed: Optional[dict] = None) -> list[JobReturn]:
     """A pack's jobs, each an ordinary Hydra job, trained together (the module's docstring: three passes).
-    Returns their JobReturns in order."""
+    `composed`: as run_unit's. Returns their JobReturns in order."""
     quiet = HydraContext(config_loader=hydra_context.config_loader, callbacks=Callbacks())
+    composed = {} if composed is None else composed
     configs, members, logs = [], [], []
     for idx, overrides in unit:  # pass 1: dirs, .hydra/, job logs, RunConfigs
-        configs.append(_compose(hydra_context, config, idx, overrides))
+        configs.append(_compose(hydra_context, config, idx, overrides, composed.pop(idx, None)))
         member, files = _run(quiet, _prepare_member, configs[-1]).return_value
         members.append(member)
         logs += files
@@ -192,14 +193,19 @@ def _also_logged_to(files: Sequence[tuple[str, Any, int]]):
             handler.close()
 
 
-def pack_units(hydra_context, config, jobs: Sequence[tuple[int, Sequence[str]]]) -> list[list[tuple[int, Sequence[str]]]]:
+def pack_units(hydra_context, config, jobs: Sequence[tuple[int, Sequence[str]]],
+               keep: Optional[dict] = None) -> list[list[tuple[int, Sequence[str]]]]:
     """The sweep's `jobs` ((job number, overrides) pairs) as units: normlab.config.packing.pack_groups of their configs,
-    each composed as it will run. A job whose config cannot be built is a unit alone (it says why as it runs)."""
+    each composed as it will run (and kept in `keep` by job number, when given, for run_unit). A job whose config
+    cannot be built is a unit alone (it says why as it runs)."""
     cfgs = []
     before = HydraConfig.instance().cfg
     try:
         for idx, overrides in jobs:
-            task_cfg = _compose(hydra_context, config, idx, overrides).copy()
+            sweep_config = _compose(hydra_context, config, idx, overrides)
+            if keep is not None:
+                keep[idx] = sweep_config
+            task_cfg = sweep_config.copy()  # shallow: the job's own config keeps its hydra node
             with open_dict(task_cfg):
                 del task_cfg["hydra"]
             try:
@@ -217,9 +223,14 @@ def asks_for_packs(config: DictConfig, job_overrides: Sequence[Sequence[str]]) -
     return bool(config.get("pack")) or any(o.split("=", 1)[0].lstrip("+~") == "pack" for job in job_overrides for o in job)
 
 
-def _run_in_worker(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, task_function, singleton_state) -> list[JobReturn]:
-    """A unit of jobs (run_unit) in a worker process; then the GPU memory it cached is handed back, so the
+def _run_in_worker(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, task_function, singleton_state,
+                   setting: tuple[int, float, dict]) -> list[JobReturn]:
+    """A unit of jobs (run_unit) in a worker process, under the launch's `setting` (threads, share of the GPU's memory,
+    the MPS daemon's environment: applied before CUDA starts); then the GPU memory it cached is handed back, so the
     slot's next unit (and its neighbours) get it."""
+    threads, fraction, env = setting
+    os.environ.update(env)
+    os.environ["OMP_NUM_THREADS"], os.environ["NORMLAB_WORKER_MEMORY_FRACTION"] = str(threads), str(fraction)
     import torch  # heavy: only a worker, pinned to its GPU, loads it (Hydra's plugin scan imports this module)
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -259,15 +270,17 @@ class NormlabLauncher(BasicLauncher):
                  mps: Any = MPS) -> None:
         super().__init__()
         self.jobs_per_gpu, self.cpu_jobs, self.devices, self.mps = jobs_per_gpu, cpu_jobs, devices, mps
+        self.workers: Optional[Workers] = None
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
         loader = hydra_context.config_loader
-        # Jobs run in this process: the launcher takes the configs the sweeper composed to validate them.
-        # (Workers get the loader pickled, which a wrapper around its own method would not survive.)
-        sequential = len(plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)) == 1
-        if sequential and not isinstance(loader.load_sweep_config, ComposedOnce):
+        # The launcher takes the configs the sweeper composed to validate them (a worker gets the loader as it was).
+        if not isinstance(loader.load_sweep_config, ComposedOnce):
             loader.load_sweep_config = ComposedOnce(loader.load_sweep_config)
+        slots = plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)
+        if len(slots) > 1 and self.workers is None:  # they import while the sweeper composes the jobs
+            self.workers = Workers(slots, threads_per_job(len(slots)), _memory_share(slots))
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         composed = self.hydra_context.config_loader.load_sweep_config
@@ -280,20 +293,23 @@ class NormlabLauncher(BasicLauncher):
 
     def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         jobs = list(enumerate(job_overrides, start=initial_job_idx))
-        units = [[job] for job in jobs]
+        units, composed = [[job] for job in jobs], {}
         if asks_for_packs(self.config, job_overrides):
             setup_globals()
-            units = pack_units(self.hydra_context, self.config, jobs)
+            units = pack_units(self.hydra_context, self.config, jobs, keep=composed)
         slots = plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)[: len(units)]
+        if len(slots) <= 1 and self.workers is not None:  # one slot: the jobs run here
+            self.workers.keep(0)
+            self.workers = None
         if len(slots) > 1:
             sweep_dir = Path(str(self.config.hydra.sweep.dir))
             with sweep_mps(sweep_dir, wants_mps(self.mps, slots, runs_cuda_graphs(self.config, job_overrides))) as mps:
                 if mps.line:
                     log.info(mps.line)
                 return self._launch_concurrently(units, slots, mps.env)
-        return self._launch_in_turn(units)
+        return self._launch_in_turn(units, composed)
 
-    def _launch_in_turn(self, units: list) -> list[JobReturn]:
+    def _launch_in_turn(self, units: list, composed: dict) -> list[JobReturn]:
         """The units one after another in this process, as Hydra's basic launcher runs its jobs (and says so), but
         through run_unit: a job whose run already ended is answered without Hydra's run_job (task.ended_job)."""
         setup_globals()
@@ -305,7 +321,7 @@ class NormlabLauncher(BasicLauncher):
         for unit in units:
             for idx, overrides in unit:
                 log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}" + (f"  [pack of {len(unit)}]" if len(unit) > 1 else ""))
-            returns += zip([idx for idx, _ in unit], run_unit(unit, self.hydra_context, self.config, self.task_function))
+            returns += zip([idx for idx, _ in unit], run_unit(unit, self.hydra_context, self.config, self.task_function, composed))
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return [ret for _, ret in sorted(returns, key=lambda pair: pair[0])]
 
@@ -317,10 +333,11 @@ class NormlabLauncher(BasicLauncher):
         packs = sum(len(unit) > 1 for unit in units)
         log.info(f"Launching {sum(len(u) for u in units)} jobs" + (f" ({packs} packs among them)" if packs else "")
                  + f", {len(slots)} at once on {where}")
-        threads = threads_per_job(len(slots))
-        fraction = 0.95 / max(1, slots.count(slots[0]))  # each job's share of its GPU's memory
-        context = get_context("spawn")  # a fresh interpreter per worker: CUDA state is never forked
-        workers = [ProcessPoolExecutor(1, context, initializer=_pin_worker, initargs=(gpu, threads, fraction, env)) for gpu in slots]
+        setting = (threads_per_job(len(slots)), _memory_share(slots), env)
+        workers, self.workers = self.workers, None  # started by setup, or, for a later launch, now
+        if workers is None or len(workers) < len(slots):
+            workers = Workers(slots, *setting, warm=False)
+        workers.keep(len(slots))
         pending = units[::-1]
         running: dict = {}
         returns: dict[int, JobReturn] = {}
@@ -335,8 +352,9 @@ class NormlabLauncher(BasicLauncher):
         try:
             while pending or running:
                 for slot in [s for s in range(len(slots)) if s not in {s for s, _ in running.values()}]:
-                    if not pending or stop is not None:
-                        break
+                    if not pending or stop is not None:  # an idle worker ends now, beside the last units
+                        workers.release(slot)
+                        continue
                     # One line per job, no interleaved bars.
                     unit = [(idx, [*overrides, "progress=false"]) for idx, overrides in pending.pop()]
                     place = "CPU" if slots[slot] is None else f"GPU {slots[slot]}"
@@ -344,7 +362,7 @@ class NormlabLauncher(BasicLauncher):
                         packed = f", pack of {len(unit)}" if len(unit) > 1 else ""
                         log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}  [{place}{packed}]")
                     future = workers[slot].submit(_run_in_worker, unit, self.hydra_context, config,
-                                                  self.task_function, state)
+                                                  self.task_function, state, setting)
                     running[future] = (slot, [idx for idx, _ in unit])
                 if not running:
                     break
@@ -357,15 +375,17 @@ class NormlabLauncher(BasicLauncher):
                         stop = stop or err
                     except Exception as err:  # the worker died (killed, out of memory): its jobs failed
                         returns.update((idx, _failed(idx, err)) for idx in idxs)
-                        workers[slot].shutdown(wait=False)  # a broken pool takes no more jobs: a fresh worker
-                        workers[slot] = ProcessPoolExecutor(1, context, initializer=_pin_worker,
-                                                            initargs=(slots[slot], threads, fraction, env))
+                        workers.restart(slot)  # a broken pool takes no more jobs: a fresh worker
         finally:
-            for worker in workers:
-                worker.shutdown(wait=True, cancel_futures=True)
+            workers.shutdown()
         if stop is not None:
             raise stop
         return [returns[i] for i in sorted(returns)]
+
+
+def _memory_share(slots: Sequence[Optional[str]]) -> float:
+    """Each job's share of its GPU's memory, the GPU shared by the slots pinned to it."""
+    return 0.95 / max(1, slots.count(slots[0]))
 
 
 def _failed(idx: int, err: BaseException) -> JobReturn:

@@ -29,6 +29,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
 from normlab.config import NORM_TRAITS, ConfigError, RunConfig, check_norm_knob, schema_keys, unknown_key_message
+from normlab.launch.derived import Composer
 
 # Hydra plugins by the group options that need them: (the plugin's module, normlab's pip extra).
 PLUGINS = {
@@ -192,7 +193,8 @@ def check_composition(
     `expand(overrides, config_loader)` lists a multirun's jobs (prechecks.sweep_jobs); where it cannot (a
     search sweeper's interval), the overrides' fixed part is composed. None: one job, `overrides`.
     `by_job`, when given, receives each composed config under its job's overrides (a tuple), so a
-    later check reuses it instead of composing the job again (0.2 s a job).
+    later check reuses it instead of composing the job again (0.1 s a job). Jobs that differ from an earlier one
+    only in values are not composed again: normlab.launch.derived.
     """
     composed = []
     try:
@@ -204,9 +206,10 @@ def check_composition(
                 jobs = expand(overrides, loader)
             except Exception:  # a sweep only a search sweeper expands: its trials are checked as they start
                 jobs = [[o.input_line for o in _parse(overrides) if not o.is_sweep_override()]]
+        compose = Composer(loader, config_name or "config")  # once per shape of job (normlab.launch.derived)
         for job in jobs:
             try:
-                composed.append(loader.load_configuration(config_name or "config", job, run_mode=RunMode.RUN, from_shell=True))
+                composed.append(compose(job))
             except Exception as err:
                 raise ConfigError(_explain(err, job, _parse(job), loader, groups, config_name or "config")) from None
             if by_job is not None:

@@ -193,7 +193,7 @@ def measured_in(tree: str, args, ops: bool) -> dict:
              "--device", args.device, "--precision", args.precision, "--ops-batch", str(args.ops_batch or 0),
              "--ops-seq", str(args.ops_seq or 0), "--ops-stack-elements", str(args.ops_stack_elements), "--ops-shapes", args.ops_shapes, *(["--ops"] if ops else []),
              *(["--threads", str(args.threads)] if args.threads else [])]
-    env = {**os.environ, "PYTHONPATH": tree}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tree, os.environ.get("PYTHONPATH"))))}
     done = subprocess.run([sys.executable, __file__, *flags], env=env, check=True, capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if Path(result["normlab"]).resolve() != Path(tree).resolve() or Path(tree).resolve() not in Path(result["conf"]).resolve().parents:

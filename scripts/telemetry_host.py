@@ -166,8 +166,11 @@ def measured_in(tree: str, args) -> dict:
     flags = ["--measure", "--width", str(args.width), "--batch", str(args.batch), "--seq", str(args.seq), "--pairs",
              str(args.pairs), "--sinks", args.sinks, "--precision", args.precision, "--device", args.device, *(["--ops"] if args.ops else []),
              *(["--compile"] if args.compile else [])]
-    env = {**os.environ, "PYTHONPATH": tree}
-    done = subprocess.run([sys.executable, __file__, *flags], env=env, check=True, capture_output=True, text=True)
+    # The tree first, then whatever the path held (on the GPU machine the carried wheels: hydra, wandb)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tree, os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, __file__, *flags], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"telemetry_host: the measuring process for {tree} exited {done.returncode}:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if Path(result["normlab"]).resolve() != Path(tree).resolve():
         raise RuntimeError(f"the process for {tree} imported normlab from {result['normlab']}")

@@ -225,6 +225,19 @@ def test_one_massive_sequence_among_eight_shows_in_the_largest_sequence_ratio():
     assert ratios.amax().item() == 1000.0  # act/top_median_max
 
 
+def test_attention_logits_are_float32_under_bf16_autocast():
+    """Under a bf16 autocast (the model's forward) q.float() @ k.float() still ran in bf16: attn/logit_max and
+    the entropies came from logits rounded to 8 bits. They are the float32 logits of the same q and k."""
+    torch.manual_seed(0)
+    q, k = (4 * torch.randn(2, 3, 2, 16, 32)).bfloat16(), (4 * torch.randn(2, 3, 2, 16, 32)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        largest, entropy = attention_stats(q, k)
+    exact_largest, exact_entropy = attention_stats(q, k)  # no autocast: float32 throughout
+    assert largest.dtype == torch.float32
+    torch.testing.assert_close(largest, exact_largest, rtol=1e-6, atol=0)
+    torch.testing.assert_close(entropy, exact_entropy, rtol=1e-5, atol=1e-6)
+
+
 def test_entropy_min_is_the_smallest_head_mean():
     q, k = 3 * fixed(2, 3, 9, 4), 3 * fixed(2, 3, 9, 4, seed=1)
     q[:, 1] *= 4  # sharper attention in head 1: a lower entropy than the others

@@ -92,7 +92,8 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, softcap: float | None = No
     q, k = q.float(), k.float()
     T = q.size(-2)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))).masked_fill_(future, -math.inf)  # in place: a fresh tensor
+    with torch.autocast(q.device.type, enabled=False):  # float32 logits: a bf16 autocast would round the matmul's
+        scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))).masked_fill_(future, -math.inf)  # in place
     largest = scores.flatten(-4).amax(-1)
     if softcap:
         scores = (softcap * torch.tanh(scores / softcap)).masked_fill_(future, -math.inf)  # tanh(-inf) is -1

@@ -18,8 +18,8 @@ step before it), i.e. what one telemetry step adds.
 real training run dispatches, plain and with telemetry, for the medium preset (8 blocks, width 256, batch
 32 × 128) and GPT-2 small's shape (12 blocks, width 768, 12 heads, at batch 8 × 128 so that the CPU runs it;
 `--ops-shapes` picks them, `--ops-batch`, `--ops-seq` set their size): on a GPU each op is at least one kernel
-launch. `--ops-stack-elements N` counts them with the Probe's stacks capped at N elements as on CUDA
-(normlab.train.probe_sites.CUDA_STACK_ELEMENTS, 16777216; the CPU's cap is smaller).
+launch. `--ops-stack-elements N` counts them with the Probe's stacks capped at N elements (16777216: the cap
+CUDA had in the H100's call 4; normlab.train.probe_sites.CUDA_STACK_ELEMENTS is CUDA's now).
 
 `--isolated` and `--ops` run in fresh processes (`--processes` of them for `--isolated`, 2 by default); `--base
 REF` measures them also for the package at git REF (a `git archive` of it, imported instead of this tree's),
@@ -154,7 +154,7 @@ def measure(args) -> dict:
                             2 * args.isolated + 3, False)
         out["isolated"] = [(times[2 * k + 1], times[2 * k + 2]) for k in range(1, args.isolated + 1)]
     if args.ops:
-        if args.ops_stack_elements:  # as the Probe stacks on CUDA (probe_sites.CUDA_STACK_ELEMENTS), on the CPU
+        if args.ops_stack_elements:  # another cap, on the CPU
             import normlab.train.probe_sites
 
             normlab.train.probe_sites.STACK_ELEMENTS = args.ops_stack_elements
@@ -286,7 +286,7 @@ def main() -> int:
     parser.add_argument("--ops-batch", type=int, default=0, help="--ops: this batch for both shapes (0: their own)")
     parser.add_argument("--ops-seq", type=int, default=0, help="--ops: this sequence length (0: their own)")
     parser.add_argument("--ops-stack-elements", type=int, default=0,
-                        help="--ops: the Probe's stack cap on the CPU (16777216: CUDA's; 0: the CPU's own)")
+                        help="--ops: the Probe's stack cap on the CPU (0: the CPU's own)")
     parser.add_argument("--base", default=None, help="git ref of the package to measure beside this tree")
     parser.add_argument("--processes", type=int, default=2, help="--isolated: fresh processes per package, alternated")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="--isolated and --ops: the device")

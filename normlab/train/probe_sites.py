@@ -36,12 +36,13 @@ from normlab.train.probe_stats import (
 # (normlab.train.runtime.MMAP_THRESHOLD), so that on the CPU they come from the heap rather than page faults:
 # with the medium preset's whole stream in one 36 MiB stack a telemetry step added 334-467 ms of CPU time, the
 # hook-based Probe before it 170 ms. That stream (32 × 128 × 256 a block) is now stacked three blocks at a
-# time. On CUDA, where no page faults are at stake and each chunk's statistics cost launches (a few dozen kernels,
-# each some µs of host time), a stack holds up to CUDA_STACK_ELEMENTS (64 MiB in float32): the medium preset's
-# stream and attention statistics are then one chunk each, not three and two (124 fewer ops per telemetry step,
-# counted on the CPU with this cap: scripts/bench_telemetry.py --ops --ops-stack-elements 16777216).
+# time. CUDA_STACK_ELEMENTS is CUDA's cap. At 1 << 24 (64 MiB in float32) the medium preset's stream and
+# attention statistics were one chunk each, not three and two (124 fewer ops per telemetry step, counted on the
+# CPU: scripts/bench_telemetry.py --ops --ops-stack-elements 16777216), but the H100's eager telemetry overhead
+# then measured 66% (call 4 of docs/benchmarks/gpu-h100.md) against 15% at 1 << 22 (call 2), fresh machines
+# both; until a GPU run compares the two caps on one machine, CUDA keeps the cap that measured better.
 STACK_ELEMENTS = 1 << 22
-CUDA_STACK_ELEMENTS = 1 << 24
+CUDA_STACK_ELEMENTS = STACK_ELEMENTS
 # The attention statistics and the max/median ratio are taken on the step's first PROBE_SEQS sequences,
 # however many micro-batches hold them (grad_accum cuts the batch into consecutive chunks, so they are the
 # same sequences whatever its value): the explicit T×T score matrix and the per-token median are the most

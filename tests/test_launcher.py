@@ -2,6 +2,10 @@
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
@@ -146,3 +150,38 @@ def test_workers_start_pinned_and_only_the_slots_used_stay():
         assert [workers[slot].submit(_seen).result() for slot in range(2)] == [("0", "2"), ("1", "2")]
     finally:
         workers.shutdown()
+
+
+PARENT = """
+import os, signal, sys
+from normlab.launch.workers import Workers
+workers = Workers([None], threads=1, fraction=1.0, warm=False)
+print(workers[0].submit(os.getpid).result(timeout=60), flush=True)
+os.kill(os.getpid(), signal.SIGKILL if sys.argv[1] == "kill" else signal.SIGTERM)
+"""
+
+
+@pytest.mark.parametrize("how", ["kill", "term"])
+def test_a_worker_ends_when_its_launching_process_is_killed(how):
+    """A launching process killed before it ends its workers (its SIGTERM runs no clean-up) left them waiting
+    for jobs for ever, re-parented: each worker now ends with its parent."""
+    proc = subprocess.Popen([sys.executable, "-c", PARENT, how], stdout=subprocess.PIPE, text=True)
+    worker = int(proc.stdout.readline())  # not read to its end: a surviving worker would hold the pipe open
+    try:
+        assert proc.wait(timeout=60) == (-signal.SIGKILL if how == "kill" else -signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while _running(worker):
+            assert time.monotonic() < deadline, f"worker {worker} still running 30 s after its parent died"
+            time.sleep(0.05)
+    finally:
+        if _running(worker):
+            os.kill(worker, signal.SIGKILL)
+        proc.stdout.close()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

@@ -10,9 +10,13 @@ each unit of jobs and are applied before the worker first touches CUDA (launcher
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
+from multiprocessing.connection import wait
 from typing import Optional, Sequence
 
 
@@ -24,6 +28,18 @@ def pin_worker(gpu: Optional[str], threads: int, memory_fraction: float, env: Op
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["NORMLAB_WORKER_MEMORY_FRACTION"] = str(memory_fraction)
+    threading.Thread(target=end_with_parent, name="normlab-parent-watch", daemon=True).start()
+
+
+def end_with_parent() -> None:
+    """Wait for the launching process to end, then SIGTERM this worker. A launching process killed (SIGTERM,
+    SIGKILL) before it ends its workers would leave them waiting for jobs for ever, warm since the sweep's set-up:
+    an idle worker ends at once, and a job running in it takes the signal as a preemption (its checkpoint, then
+    its status), as from the launching process."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        wait([parent.sentinel])
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def warm_up() -> None:

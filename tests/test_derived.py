@@ -34,9 +34,10 @@ def test_a_job_with_a_mapping_or_a_new_key_is_composed_whole():
     loader = _main_hydra([]).config_loader
     try:
         compose = Composer(loader, "config")
-        for job in (["+extra=1"], ["+extra=2"], ["optim={weight_decay:0.1}"], ["optim={weight_decay:0.2}"]):
+        for job in (["+extra=1"], ["+extra=2"], ["optim={weight_decay:0.1}"], ["optim={weight_decay:0.2}"],
+                    ["hydra.searchpath=[]", "lr=1e-3"], ["hydra.searchpath=[]", "lr=3e-3"]):  # Hydra's repository's source
             assert compose(job) is not None
-        assert compose.whole == 4
+        assert compose.whole == 6
     finally:
         GlobalHydra.instance().clear()
 

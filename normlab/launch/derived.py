@@ -54,7 +54,8 @@ class Composer:
         """The group options chosen and the keys set, in order; None for a job that is composed whole."""
         shape = []
         for override in parsed:
-            if override.is_sweep_override() or override.package is not None or isinstance(override.value(), dict):
+            if (override.is_sweep_override() or override.package is not None or isinstance(override.value(), dict)
+                    or override.key_or_group == "hydra.searchpath"):  # Hydra rebuilds its config repository from it
                 return None
             if self.loader.repository.group_exists(override.key_or_group):
                 shape.append(("group", override.input_line))

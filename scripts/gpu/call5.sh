@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The next device call (prepared 2026-11-26, not yet run): telemetry's eager overhead at CUDA's stack cap 2^22
+# and at 2^24 on one machine (calls 2 and 4 measured 15% and 66% on two machines), the host time a telemetry step
+# adds by phase on the GPU, then the 8-arm sweep and the suite. Then run `--call 2` (pack21, ablation72, torchrun)
+# in a second call. Writes under $OUT (8 files at most come back).
+set -u -o pipefail
+source .whl/setup.sh || exit 1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-outputs/gpu-call5}; mkdir -p "$OUT"
+# 1. A telemetry step's added host time by phase (statistics, row, sinks), medium's shape, eager.
+timeout 60 python3 scripts/telemetry_host.py --device cuda --width 256 --batch 32 --seq 128 --sinks jsonl \
+    --pairs 20 --processes 1 2>&1 | tee "$OUT/telemetry_host.log"
+# 2. The telemetry stage at CUDA's cap as committed (2^22), then at 2^24 (this machine's copy of probe_sites.py
+#    edited: the device's tree is a copy), each in a folder of its own.
+timeout 110 python3 scripts/gpu_acceptance.py --out "$OUT/cap22" --stage telemetry --budget telemetry=100
+sed -i 's/^CUDA_STACK_ELEMENTS = STACK_ELEMENTS$/CUDA_STACK_ELEMENTS = 1 << 24/' normlab/train/probe_sites.py
+grep -n "^CUDA_STACK_ELEMENTS" normlab/train/probe_sites.py | tee -a "$OUT/telemetry_host.log"
+timeout 110 python3 scripts/gpu_acceptance.py --out "$OUT/cap24" --stage telemetry --budget telemetry=100
+sed -i "s/^CUDA_STACK_ELEMENTS = 1 << 24$/CUDA_STACK_ELEMENTS = STACK_ELEMENTS/" normlab/train/probe_sites.py
+# 3. The 8-arm sweep and the suite (tests/test_cuda.py first).
+timeout 230 python3 scripts/gpu_acceptance.py --out "$OUT" --stage sweep8 suite --budget sweep8=95 --budget suite=120
+rm -f "$OUT"/gpu-h1*.json "$OUT"/cap2*/gpu-h1*.json "$OUT"/cap2*/*.log "$OUT"/cap2*/telemetry-profile-*.txt
+echo "call5 done"

@@ -64,7 +64,7 @@ from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
 from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
 from normlab.launch.task import ended_job, gone_member, member_result, pack_member, train_members
-from normlab.launch.workers import Workers
+from normlab.launch.workers import Workers, apply_setting
 from normlab.launch.workers import pin_worker as _pin_worker  # noqa: F401  (a worker's start, as the tests call it)
 from normlab.train.ending import drain
 
@@ -228,9 +228,7 @@ def _run_in_worker(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, con
     """A unit of jobs (run_unit) in a worker process, under the launch's `setting` (threads, share of the GPU's memory,
     the MPS daemon's environment: applied before CUDA starts); then the GPU memory it cached is handed back, so the
     slot's next unit (and its neighbours) get it."""
-    threads, fraction, env = setting
-    os.environ.update(env)
-    os.environ["OMP_NUM_THREADS"], os.environ["NORMLAB_WORKER_MEMORY_FRACTION"] = str(threads), str(fraction)
+    apply_setting(*setting)
     import torch  # heavy: only a worker, pinned to its GPU, loads it (Hydra's plugin scan imports this module)
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

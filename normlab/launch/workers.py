@@ -23,12 +23,18 @@ from typing import Optional, Sequence
 def pin_worker(gpu: Optional[str], threads: int, memory_fraction: float, env: Optional[dict] = None) -> None:
     """A worker's start: pin it to its GPU and its share of the CPU threads, and point it to the sweep's MPS
     daemon (`env`), before torch is imported."""
-    os.environ.update(env or {})
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    apply_setting(threads, memory_fraction, env)
+    threading.Thread(target=end_with_parent, name="normlab-parent-watch", daemon=True).start()
+
+
+def apply_setting(threads: int, memory_fraction: float, env: Optional[dict] = None) -> None:
+    """A launch's setting in this worker's environment: its share of the CPU threads and of the GPU's memory, and
+    the sweep's MPS daemon (`env`); read when the job starts torch and CUDA."""
+    os.environ.update(env or {})
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["NORMLAB_WORKER_MEMORY_FRACTION"] = str(memory_fraction)
-    threading.Thread(target=end_with_parent, name="normlab-parent-watch", daemon=True).start()
 
 
 def end_with_parent() -> None:

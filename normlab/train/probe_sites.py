@@ -36,13 +36,12 @@ from normlab.train.probe_stats import (
 # (normlab.train.runtime.MMAP_THRESHOLD), so that on the CPU they come from the heap rather than page faults:
 # with the medium preset's whole stream in one 36 MiB stack a telemetry step added 334-467 ms of CPU time, the
 # hook-based Probe before it 170 ms. That stream (32 × 128 × 256 a block) is now stacked three blocks at a
-# time. CUDA_STACK_ELEMENTS is CUDA's cap. At 1 << 24 (64 MiB in float32) the medium preset's stream and
-# attention statistics were one chunk each, not three and two (124 fewer ops per telemetry step, counted on the
-# CPU: scripts/bench_telemetry.py --ops --ops-stack-elements 16777216), but the H100's eager telemetry overhead
-# then measured 66% (call 4 of docs/benchmarks/gpu-h100.md) against 15% at 1 << 22 (call 2), fresh machines
-# both; until a GPU run compares the two caps on one machine, CUDA keeps the cap that measured better.
+# time. CUDA has the same cap. With 1 << 24 there (64 MiB in float32) the medium preset's stream and attention
+# statistics were one chunk each, not three and two (124 fewer ops per telemetry step, counted on the CPU:
+# scripts/bench_telemetry.py --ops --ops-stack-elements 16777216), but the H100's eager telemetry overhead then
+# measured 66% (call 4 of docs/benchmarks/gpu-h100.md) against 15% at 1 << 22 (call 2), fresh machines both;
+# until a GPU run compares the two caps on one machine (scripts/gpu/call5.sh), CUDA keeps the one that measured better.
 STACK_ELEMENTS = 1 << 22
-CUDA_STACK_ELEMENTS = STACK_ELEMENTS
 # The attention statistics and the max/median ratio are taken on the step's first PROBE_SEQS sequences,
 # however many micro-batches hold them (grad_accum cuts the batch into consecutive chunks, so they are the
 # same sequences whatever its value): the explicit T×T score matrix and the per-token median are the most
@@ -149,17 +148,15 @@ class Recorder:
 
     def _chunk_ends(self, site: str, layer: int) -> bool:
         """Whether block `layer` ends a chunk of the blocks not yet measured at `site` (out: the stream's, of
-        at most STACK_ELEMENTS elements, CUDA_STACK_ELEMENTS on CUDA, with the stream entering the first; attn.k: the
-        attention's)."""
+        at most STACK_ELEMENTS elements with the stream entering the first; attn.k: the attention's)."""
         x = self.sites[site, layer]
-        cap = CUDA_STACK_ELEMENTS if x.is_cuda else STACK_ELEMENTS
         if site == "out":
-            per_chunk = max(1, cap // x.numel() - 1)
+            per_chunk = max(1, STACK_ELEMENTS // x.numel() - 1)
         else:
             B, H, T, D = x.shape
             # Sized for the most rows a micro-batch can probe, not this one's: every micro-batch of a step must
             # cut its blocks into the same chunks, so that their statistics come in one order and add up key by key.
-            per_chunk = max(1, cap // (PROBE_SEQS * H * T * max(T, D)))
+            per_chunk = max(1, STACK_ELEMENTS // (PROBE_SEQS * H * T * max(T, D)))
         return layer + 1 - self._measured[site] == per_chunk or layer == len(self.plan.labels) - 1
 
     def _measure(self, site: str, last: int) -> None:

@@ -1,11 +1,20 @@
-"""The worker processes of normlab's launcher (normlab.launch.launcher): one per slot, each a fresh interpreter
-(spawned: CUDA state is never forked) pinned to its slot's GPU before torch is imported.
+"""The worker processes of normlab's launcher (normlab.launch.launcher): one per slot, pinned to its slot's GPU
+before CUDA starts.
 
-They start as the sweep is set up (NormlabLauncher.setup), not when its first job is handed out: each first
-imports what every job imports (torch, normlab's training stack, wandb: seconds), and does so while the launching
-process composes and validates the sweep's jobs, which takes about 0.1 s a job (Hydra composing each one). The
-settings that depend on the launch (threads, the share of GPU memory, the MPS daemon's environment) travel with
-each unit of jobs and are applied before the worker first touches CUDA (launcher._run_in_worker).
+A GPU slot's worker is a fresh interpreter (spawned: CUDA state is never forked). A CPU slot's worker is forked
+from multiprocessing's forkserver, which imports what every job imports (normlab.launch.preload: torch,
+torch._dynamo, normlab's training stack, matplotlib, wandb; 3.5 s of one core) once for all the workers, where
+each spawned worker imported it again: on a CPU the workers share the cores with the launching process, so
+each import run once is CPU the jobs get back. A CPU sweep asking for more than one job at once
+(`hydra.launcher.cpu_jobs=N` on the command line) starts the forkserver as the command starts (start_early), so
+its imports run beside the launching process's own; else it starts with the first worker. A forked worker takes
+the launching process's environment as it was when the worker started, as a spawned one does.
+
+Workers start as the sweep is set up (NormlabLauncher.setup), not when its first job is handed out: each first
+imports what every job imports, and does so while the launching process composes and validates the sweep's
+jobs, which takes about 0.1 s a job (Hydra composing each one). The settings that depend on the launch (threads,
+the share of GPU memory, the MPS daemon's environment) travel with each unit of jobs and are applied before the
+worker first touches CUDA (launcher._run_in_worker).
 """
 
 from __future__ import annotations
@@ -15,14 +24,48 @@ import os
 import signal
 import threading
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
+from multiprocessing import forkserver, get_context
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Optional, Sequence
 
+PRELOAD = "normlab.launch.preload"  # the forkserver's preload: what every job imports
 
-def pin_worker(gpu: Optional[str], threads: int, memory_fraction: float, env: Optional[dict] = None) -> None:
-    """A worker's start: pin it to its GPU and its share of the CPU threads, and point it to the sweep's MPS
-    daemon (`env`), before torch is imported."""
+
+def start_method(gpu: Optional[str]) -> str:
+    """How a slot's worker starts: spawned for a GPU, forked from the preloaded forkserver for the CPU (where the
+    platform has one)."""
+    return "forkserver" if gpu is None and "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def start_server() -> None:
+    """Start the CPU workers' forkserver now, if it is not running: it imports PRELOAD in its own process, and a
+    worker forked from it starts at once when that is done."""
+    multiprocessing.set_forkserver_preload([PRELOAD])
+    forkserver.ensure_running()
+
+
+def start_early(multirun: bool, overrides: Sequence[str]) -> bool:
+    """Start the forkserver as a command starts (and say True) if it is a sweep whose command line asks for more
+    than one CPU job at once on a machine without an NVIDIA GPU: its imports then run while this process imports
+    and composes its own."""
+    asked = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "hydra.launcher.cpu_jobs" and "=" in o]
+    if not multirun or not asked or not asked[-1].strip().isdigit() or int(asked[-1]) < 2:
+        return False
+    if Path("/proc/driver/nvidia/gpus").exists() or start_method(None) != "forkserver":
+        return False
+    start_server()
+    return True
+
+
+def pin_worker(gpu: Optional[str], threads: int, memory_fraction: float, env: Optional[dict] = None,
+               environ: Optional[dict] = None) -> None:
+    """A worker's start: take the launching process's environment (`environ`: a forked worker has its forkserver's),
+    pin it to its GPU and its share of the CPU threads, and point it to the sweep's MPS daemon (`env`), before
+    CUDA starts."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     apply_setting(threads, memory_fraction, env)
@@ -49,18 +92,17 @@ def end_with_parent() -> None:
 
 
 def warm_up() -> None:
-    """A started worker's first task: import what every job imports, without touching CUDA (whose start must see
-    the launch's MPS environment)."""
-    import torch  # noqa: F401  (heavy: seconds; the reason for warming up)
+    """A started worker's first task: import what every job imports (PRELOAD, imported already in a forked one),
+    without touching CUDA (whose start must see the launch's MPS environment)."""
+    import normlab.launch.preload  # noqa: F401  (heavy: seconds; the reason for warming up)
 
-    import normlab.launch.task  # noqa: F401
-    import normlab.train.pack  # noqa: F401
-    import normlab.train.run  # noqa: F401
 
-    try:
-        import wandb  # noqa: F401  (the sinks import it for wandb.mode online or offline, the default)
-    except ImportError:
-        pass
+def _warm_up(pools: Sequence[ProcessPoolExecutor]) -> None:
+    for pool in pools:
+        try:
+            pool.submit(warm_up)
+        except RuntimeError:  # shut down meanwhile (Workers.keep): nothing to warm up
+            pass
 
 
 class Workers:
@@ -71,13 +113,15 @@ class Workers:
                  warm: bool = True) -> None:
         self.slots, self.threads, self.fraction, self.env = list(slots), threads, fraction, env or {}
         self.pools = [self._pool(gpu) for gpu in self.slots]
-        if warm:
-            for pool in self.pools:
-                pool.submit(warm_up)
+        if warm:  # from a thread: a forked worker starts once its forkserver has imported PRELOAD, seconds later
+            threading.Thread(target=_warm_up, args=(list(self.pools),), name="normlab-warm-up", daemon=True).start()
 
     def _pool(self, gpu: Optional[str]) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(1, get_context("spawn"), initializer=pin_worker,
-                                   initargs=(gpu, self.threads, self.fraction, self.env))
+        method = start_method(gpu)
+        if method == "forkserver":
+            start_server()
+        return ProcessPoolExecutor(1, get_context(method), initializer=pin_worker,
+                                   initargs=(gpu, self.threads, self.fraction, self.env, dict(os.environ)))
 
     def __len__(self) -> int:
         return len(self.pools)

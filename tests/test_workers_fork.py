@@ -1,0 +1,54 @@
+"""A CPU slot's worker: forked from the forkserver that imported the jobs' modules once (normlab.launch.preload),
+with the launching process's environment as it was when the worker started; a GPU slot's is spawned."""
+
+import os
+import sys
+
+import pytest
+
+import normlab.launch.workers as workers
+from normlab.launch.workers import Workers, start_early, start_method
+
+pytestmark = pytest.mark.skipif("forkserver" not in __import__("multiprocessing").get_all_start_methods(),
+                                reason="no forkserver on this platform")
+
+
+def _state():
+    return ("normlab.launch.preload" in sys.modules, "torch._dynamo" in sys.modules,
+            os.environ.get("NORMLAB_TEST_SET"), os.environ.get("NORMLAB_TEST_GONE"), os.environ["OMP_NUM_THREADS"])
+
+
+def test_a_cpu_worker_is_forked_with_the_jobs_modules_imported_and_the_launchers_environment(monkeypatch):
+    monkeypatch.setenv("NORMLAB_TEST_GONE", "1")
+    workers.start_server()  # as `normlab train -m ... hydra.launcher.cpu_jobs=2` starts it, with this environment
+    monkeypatch.setenv("NORMLAB_TEST_SET", "later")  # changed after the forkserver started: a worker sees it
+    monkeypatch.delenv("NORMLAB_TEST_GONE")
+    pool = Workers([None], threads=1, fraction=1.0, warm=False)
+    try:
+        # No warm-up ran: what the worker holds, it holds from the forkserver.
+        assert pool[0].submit(_state).result(timeout=120) == (True, True, "later", None, "1")
+    finally:
+        pool.shutdown()
+
+
+def test_gpu_workers_are_spawned_and_cpu_workers_forked():
+    assert start_method("0") == "spawn"  # CUDA state is never forked
+    assert start_method(None) == "forkserver"
+
+
+@pytest.mark.parametrize("multirun, overrides, starts", [
+    (True, ["seed=0,1", "hydra.launcher.cpu_jobs=2"], True),
+    (True, ["hydra.launcher.cpu_jobs=4", "hydra.launcher.cpu_jobs=1"], False),  # the last one counts
+    (True, ["seed=0,1"], False),  # one job at a time, in the launching process: no workers
+    (False, ["hydra.launcher.cpu_jobs=2"], False),
+    (True, ["hydra.launcher.cpu_jobs=${oc.env:N}"], False),  # not a number on the command line: at set-up
+])
+def test_the_forkserver_starts_early_only_for_a_sweep_asking_for_several_cpu_jobs(monkeypatch, multirun, overrides,
+                                                                                     starts):
+    started = []
+    monkeypatch.setattr(workers, "start_server", lambda: started.append(True))
+    monkeypatch.setattr(workers.Path, "exists", lambda self: False)  # a machine without an NVIDIA driver
+    assert start_early(multirun, overrides) is starts
+    assert started == ([True] if starts else [])
+    monkeypatch.setattr(workers.Path, "exists", lambda self: str(self) == "/proc/driver/nvidia/gpus")
+    assert start_early(multirun, overrides) is False  # a GPU machine: its slots' workers are spawned

@@ -17,8 +17,9 @@ With `--ablation` it times instead the shape of issue 38's GPU ablation on the C
           max_steps=2 pack=true device=cpu hydra.launcher.cpu_jobs=2`: 72 runs in 8 packs, two workers; the seconds
           from the command's start to the first run's first step (its head, where the GPU sat idle) and from the last
           run's end to the command's exit (its tail), read from the runs' normlab.log lines.
-Each command's process CPU time (user + sys of it and its children, from getrusage(RUSAGE_CHILDREN)) is
-printed beside its wall time: far less sensitive than wall time to other work on the machine. Medians over
+Each command's process CPU time (user + sys of it and all its descendants, from getrusage(RUSAGE_CHILDREN), the
+script being their reaper: see adopt_orphans) is printed beside its wall time: far less sensitive than wall time
+to other work on the machine. Medians over
 `--repeats` rounds; the load average is printed before each round and at the end. OVERRIDEs are added to
 both commands (for a quick check: smaller batches, wandb.mode=disabled). `--threads N` sets OMP_NUM_THREADS
 for both commands (the sweep's workers take their share of the cores whatever it is): on a loaded machine
@@ -78,13 +79,40 @@ def where_normlab(env: dict[str, str]) -> str:
                           cwd="/").stdout.strip()
 
 
+def adopt_orphans() -> None:
+    """Make this process the reaper of its descendants orphaned by their parent's exit (Linux's
+    PR_SET_CHILD_SUBREAPER), so their CPU time is counted too: a CPU sweep's workers are the children of
+    multiprocessing's forkserver, which outlives the command by a moment and is not waited for by it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def reap_orphans(patience: float = 30.0) -> None:
+    """Wait (up to `patience` seconds) for every descendant left over from a command (adopt_orphans), adding its CPU
+    to RUSAGE_CHILDREN."""
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                time.sleep(0.02)
+        except ChildProcessError:
+            return
+    print(f"overhead_bench.py: descendants still running {patience:.0f} s after the command: their CPU is not counted")
+
+
 def timed(args: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float]:
-    """Wall seconds and CPU seconds (user + sys, its children's included) of `python -m normlab ARGS`."""
+    """Wall seconds (until the command exits) and CPU seconds (user + sys, of all its descendants, the ones it
+    left behind included) of `python -m normlab ARGS`."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "normlab", *args], env=env, cwd=cwd, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - started
+    reap_orphans()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
@@ -195,6 +223,7 @@ def main() -> int:
     parser.add_argument("--ablation", action="store_true", help="time the 72-run ablation grid's head and tail instead")
     parser.add_argument("overrides", nargs="*", help="normlab overrides added to both commands")
     args = parser.parse_args()
+    adopt_orphans()
     base_commit = args.base or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True,
                                               text=True, check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:

@@ -126,7 +126,7 @@ class _Loader:
         return list(overrides)
 
 
-def test_composed_once_travels_to_a_worker_as_the_method_it_wraps():
+def test_composed_once_travels_to_a_worker_as_the_workers_own_which_keeps_nothing():
     import pickle
 
     from normlab.launch.composed import ComposedOnce
@@ -135,9 +135,43 @@ def test_composed_once_travels_to_a_worker_as_the_method_it_wraps():
     loader.load_sweep_config = ComposedOnce(loader.load_sweep_config)
     loader.load_sweep_config({}, ["seed=0"])  # kept here, for this process's launch
     sent = pickle.loads(pickle.dumps(loader))
-    assert not isinstance(sent.load_sweep_config, ComposedOnce)  # the worker composes its jobs itself
-    assert sent.load_sweep_config({}, ["seed=1"]) == ["seed=1"]
+    worker = sent.load_sweep_config
+    assert isinstance(worker, ComposedOnce) and worker is not loader.load_sweep_config and worker.kept == {}
+    assert worker({}, ["seed=1"]) == ["seed=1"] and worker.kept == {}  # the worker composes its jobs itself
     assert len(loader.load_sweep_config.kept) == 1
+    assert pickle.loads(pickle.dumps(loader)).load_sweep_config is worker  # the next unit: the same one, its Composer
+    other = ComposedOnce(_Loader().load_sweep_config)
+    assert pickle.loads(pickle.dumps(other)) is not worker  # another launch's: a fresh one
+
+
+def test_a_workers_later_jobs_are_derived_and_equal_hydras_sweep_configs():
+    """A worker (here, this process unpickling what a worker gets) composes the first job of a shape whole and
+    derives the next ones from it; each equals Hydra's own load_sweep_config."""
+    import pickle
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from normlab.launch.composed import ComposedOnce
+    from normlab.launch.prechecks import _main_hydra
+    from normlab.launch.resolvers import register_resolvers
+
+    register_resolvers()
+    loader = _main_hydra([]).config_loader
+    try:
+        master = loader.load_configuration("config", ["hydra.sweep.dir=sweeps/x", "model=tiny"],
+                                           run_mode=RunMode.MULTIRUN, from_shell=True)
+        hydras_load = loader.load_sweep_config
+        loader.load_sweep_config = ComposedOnce(hydras_load)
+        for seed in range(3):
+            job = [f"seed={seed}", "lr=1e-3", "progress=false"]
+            worker = pickle.loads(pickle.dumps(loader)).load_sweep_config  # each unit brings the loader anew
+            ours, hydras = worker(master, job), hydras_load(master, job)
+            assert OmegaConf.to_container(ours, resolve=False) == OmegaConf.to_container(hydras, resolve=False), job
+        assert worker.composer.whole == 1  # the first job; the other two were derived
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def test_workers_start_pinned_and_only_the_slots_used_stay():

@@ -189,3 +189,24 @@ def test_through_the_command_no_api_key_is_one_warning_or_one_error_line(tmp_pat
     assert len(warnings) == 1 and "recording offline" in warnings[0]
     assert json.loads((tmp_path / "offline" / "summary.json").read_text())["status"] == "completed"
     assert OfflineRun(tmp_path / "offline").run.run_id
+
+
+def test_the_installed_packages_are_read_once_in_a_process_and_every_run_records_them(tmp_path, no_user_wandb_settings):
+    """wandb lists the installed packages at each wandb.init (each run's requirements.txt): a sweep worker's runs
+    read them once."""
+    from types import SimpleNamespace
+
+    from normlab.train.sinks.wandb import list_packages_once
+
+    reads = []
+    util = SimpleNamespace(working_set=lambda: reads.append(1) or iter(["a==1", "b==2"]))
+    list_packages_once(util)
+    list_packages_once(util)  # a later run: not wrapped twice
+    assert [list(util.working_set()) for _ in range(3)] == [["a==1", "b==2"]] * 3 and reads == [1]
+
+    for name in ("first", "second"):
+        train(_cfg(), tmp_path / name)
+    listed = [next((tmp_path / name / "wandb").glob("offline-run-*/files/requirements.txt")).read_text().splitlines()
+              for name in ("first", "second")]
+    assert listed[0] == listed[1] and any(line.startswith("torch==") for line in listed[0])
+    assert wandb.util.working_set.listed_once  # the sink made wandb's list one read once

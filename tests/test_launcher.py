@@ -141,7 +141,9 @@ def test_composed_once_travels_to_a_worker_as_the_workers_own_which_keeps_nothin
     assert len(loader.load_sweep_config.kept) == 1
     assert pickle.loads(pickle.dumps(loader)).load_sweep_config is worker  # the next unit: the same one, its Composer
     other = ComposedOnce(_Loader().load_sweep_config)
-    assert pickle.loads(pickle.dumps(other)) is not worker  # another launch's: a fresh one
+    both = pickle.loads(pickle.dumps((loader, other)))  # another loader's (a unit brings two): one of its own
+    assert both[0].load_sweep_config is worker and both[1] is not worker
+    assert pickle.loads(pickle.dumps(loader)).load_sweep_config is worker  # and this one's is still kept
 
 
 def test_a_workers_later_jobs_are_derived_and_equal_hydras_sweep_configs():

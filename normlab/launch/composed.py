@@ -79,6 +79,7 @@ def in_worker(load, token: str) -> ComposedOnce:
     brings it, is that of the first unit (the same launch's loader)."""
     once = _in_worker.get(token)
     if once is None:
-        _in_worker.clear()  # one launching process's at a time: a worker serves one launch
+        if len(_in_worker) >= 4:  # a unit brings a launch's one or two (its HydraContext's, the sweeper's): the oldest go
+            del _in_worker[next(iter(_in_worker))]
         once = _in_worker[token] = ComposedOnce(load, keep=0)
     return once

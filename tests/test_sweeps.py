@@ -174,7 +174,7 @@ def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_the_first_two_
     import gc
     import weakref
 
-    from normlab.launch.task import settle_garbage
+    from normlab.launch.task import settle_garbage, thaw_garbage
 
     class Node:
         pass
@@ -186,7 +186,7 @@ def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_the_first_two_
 
     enabled = gc.isenabled()
     gc.disable()  # so that only settle_garbage collects the cycles below
-    gc.unfreeze()
+    thaw_garbage()  # as a launch's end leaves the process
     try:
         left = cycle()
         freed = weakref.ref(left)
@@ -209,7 +209,11 @@ def test_a_sweep_job_first_collects_what_the_jobs_before_left_and_the_first_two_
         del left
         settle_garbage()
         assert freed() is None
+        thaw_garbage()  # the launch ends: nothing stays frozen, and the next launch's first job freezes again
+        assert gc.get_freeze_count() == 0
+        settle_garbage()
+        assert gc.get_freeze_count() > 0
     finally:
-        gc.unfreeze()
+        thaw_garbage()
         if enabled:
             gc.enable()

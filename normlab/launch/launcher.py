@@ -63,7 +63,7 @@ from normlab.config import RunConfig
 from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
 from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
-from normlab.launch.task import ended_job, gone_member, member_result, pack_member, train_members
+from normlab.launch.task import ended_job, gone_member, member_result, pack_member, thaw_garbage, train_members
 from normlab.launch.workers import Workers, apply_setting
 from normlab.launch.workers import pin_worker as _pin_worker  # noqa: F401  (a worker's start, as the tests call it)
 from normlab.train.ending import drain
@@ -287,7 +287,7 @@ class NormlabLauncher(BasicLauncher):
                 return self._launch(job_overrides, initial_job_idx)
         finally:
             drain()  # the jobs' ends (normlab.train.ending) are done before the sweep's table reads their summaries
-            gc.unfreeze()  # what normlab.launch.task.settle_garbage froze for the sweep's jobs
+            thaw_garbage()  # what normlab.launch.task.settle_garbage froze for the sweep's jobs
 
     def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         jobs = list(enumerate(job_overrides, start=initial_job_idx))

@@ -221,3 +221,28 @@ def _running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+def test_a_worker_takes_the_launchs_hydra_singletons_but_keeps_its_plugins_and_resolvers():
+    """Each unit brings the launching process's Hydra singletons; the worker's plugins, found at its first unit, are
+    not scanned for again (Singleton.set_state alone would), and its resolvers stay its own."""
+    import pickle
+
+    from hydra.core.plugins import Plugins
+    from hydra.core.singleton import Singleton
+    from omegaconf.basecontainer import BaseContainer
+
+    from normlab.launch import launcher
+
+    Plugins.instance()
+    saved = Singleton.get_state()
+    plugins, resolvers = Singleton._instances[Plugins], dict(BaseContainer._resolvers)
+    sent = pickle.loads(pickle.dumps({k: v for k, v in saved.items() if k != "omegaconf_resolvers"}))
+    assert Plugins not in sent["instances"]  # Hydra's get_state leaves them out
+    try:
+        launcher._set_singletons(sent)
+        assert Singleton._instances[Plugins] is plugins
+        assert all(Singleton._instances[k] is v for k, v in sent["instances"].items())  # the launch's own
+        assert BaseContainer._resolvers.keys() == resolvers.keys()
+    finally:
+        Singleton.set_state(saved)

@@ -147,6 +147,13 @@ def test_checkpoint_cost_saves_and_restores_the_tiny_model(tmp_path, script_here
     assert size > 0 and save > 0 and load > 0
 
 
+def test_heatmap_cost_times_fresh_and_reused_figures_and_finds_the_same_pngs(tmp_path, script_here):
+    out = script_here("heatmap_cost.py", "--repeats", "1", cwd=tmp_path)
+    fresh, reused = row(out, "fresh", 1)[0], row(out, "reused", 1)[0]
+    assert 0 < fresh < 10 and 0 < reused < 10
+    assert "same PNG bytes: True" in out
+
+
 def test_future_leak_finds_batchnorm_the_only_leak(tmp_path, script_here):
     out = script_here("future_leak.py", "--batch", "2", "--seq", "16", "--t", "7", cwd=tmp_path)
     assert "batch 2 × 16, tokens after t=7 changed" in out

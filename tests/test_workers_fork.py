@@ -31,6 +31,32 @@ def test_a_cpu_worker_is_forked_with_the_jobs_modules_imported_and_the_launchers
         pool.shutdown()
 
 
+def _write_both():
+    os.write(1, b"out from the worker\n")
+    os.write(2, b"err from the worker\n")
+
+
+def test_a_cpu_workers_output_goes_where_the_launchers_goes_when_the_worker_starts(tmp_path):
+    workers.start_server()  # its stdout and stderr: this process's now
+    saved = os.dup(1), os.dup(2)
+    out, err = (os.open(tmp_path / name, os.O_WRONLY | os.O_CREAT) for name in ("out", "err"))
+    try:
+        os.dup2(out, 1)  # as a command run in this process (a test, a notebook) has its output captured
+        os.dup2(err, 2)
+        pool = Workers([None], threads=1, fraction=1.0, warm=False)
+        try:
+            pool[0].submit(_write_both).result(timeout=120)
+        finally:
+            pool.shutdown()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, out, err):
+            os.close(fd)
+    assert (tmp_path / "out").read_text() == "out from the worker\n"
+    assert (tmp_path / "err").read_text() == "err from the worker\n"
+
+
 def test_gpu_workers_are_spawned_and_cpu_workers_forked():
     assert start_method("0") == "spawn"  # CUDA state is never forked
     assert start_method(None) == "forkserver"
@@ -52,3 +78,4 @@ def test_the_forkserver_starts_early_only_for_a_sweep_asking_for_several_cpu_job
     assert started == ([True] if starts else [])
     monkeypatch.setattr(workers.Path, "exists", lambda self: str(self) == "/proc/driver/nvidia/gpus")
     assert start_early(multirun, overrides) is False  # a GPU machine: its slots' workers are spawned
+

@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import forkserver, get_context
+from multiprocessing import forkserver, get_context, reduction
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Optional, Sequence
@@ -58,14 +58,32 @@ def start_early(multirun: bool, overrides: Sequence[str]) -> bool:
     return True
 
 
+class _Inherited:
+    """A file descriptor of the launching process as it is now, handed to a worker when it starts (a forked worker's
+    own are its forkserver's, as they were when the forkserver started): pickled for the worker, it is sent to it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received, (reduction.DupFd(self.fd),)  # called as the worker starts, when the fd can be sent
+
+
+def _received(dup) -> int:
+    return dup.detach()
+
+
 def pin_worker(gpu: Optional[str], threads: int, memory_fraction: float, env: Optional[dict] = None,
-               environ: Optional[dict] = None) -> None:
-    """A worker's start: take the launching process's environment (`environ`: a forked worker has its forkserver's),
-    pin it to its GPU and its share of the CPU threads, and point it to the sweep's MPS daemon (`env`), before
-    CUDA starts."""
+               environ: Optional[dict] = None, outputs: Sequence[int] = ()) -> None:
+    """A worker's start: take the launching process's environment (`environ`) and its stdout and stderr (`outputs`,
+    file descriptors): a forked worker has its forkserver's. Then pin it to its GPU and its share of the CPU
+    threads, and point it to the sweep's MPS daemon (`env`), before CUDA starts."""
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
+    for fd, target in zip(outputs, (1, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     apply_setting(threads, memory_fraction, env)
@@ -120,8 +138,9 @@ class Workers:
         method = start_method(gpu)
         if method == "forkserver":
             start_server()
+        outputs = (_Inherited(1), _Inherited(2)) if method == "forkserver" else ()
         return ProcessPoolExecutor(1, get_context(method), initializer=pin_worker,
-                                   initargs=(gpu, self.threads, self.fraction, self.env, dict(os.environ)))
+                                   initargs=(gpu, self.threads, self.fraction, self.env, dict(os.environ), outputs))
 
     def __len__(self) -> int:
         return len(self.pools)

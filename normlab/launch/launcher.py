@@ -34,9 +34,8 @@ whose dir went mid-run: task.gone_member answers it without run_job, which would
 of one job is no pack: it runs as an unpacked job. Packs are the units: on the CPU they run in this
 process one after another (with cpu_jobs > 1, in workers); on a GPU machine each pack, like each
 unpacked job, takes one worker slot. Which jobs pack is decided before any job runs, by composing each
-job's config as it will run (normlab.config.packing.pack_groups).
-
-Imports stay light: torch is imported only to count GPUs, in the workers, and for a sweep with pack=true.
+job's config as it will run (normlab.config.packing.pack_groups). Imports stay light: torch is imported only
+to count GPUs, in the workers, and for a sweep with pack=true.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
 from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
 from normlab.launch.task import ended_job, gone_member, member_result, pack_member, thaw_garbage, train_members
-from normlab.launch.workers import Workers, apply_setting
+from normlab.launch.workers import Workers, apply_setting, share_wandb_service
 from normlab.launch.workers import pin_worker as _pin_worker  # noqa: F401  (a worker's start, as the tests call it)
 from normlab.train.ending import drain
 
@@ -284,6 +283,7 @@ class NormlabLauncher(BasicLauncher):
             loader.load_sweep_config = ComposedOnce(loader.load_sweep_config)
         slots = plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)
         if len(slots) > 1 and self.workers is None:  # they import while the sweeper composes the jobs
+            share_wandb_service(config, slots)  # before the workers take this process's environment
             self.workers = Workers(slots, threads_per_job(len(slots)), _memory_share(slots))
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:

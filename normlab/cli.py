@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_train(argv)
     if command == "train":
+        from normlab.launch.workers import start_early
+
+        start_early("-m" in rest or "--multirun" in rest, rest)  # before Hydra's imports: see run_train
         from normlab.launch.app import run_train
 
         return run_train(rest)

@@ -132,9 +132,20 @@ def end_with_parent() -> None:
 
 
 def warm_up() -> None:
-    """A started worker's first task: import what every job imports (PRELOAD, imported already in a forked one),
-    without touching CUDA (whose start must see the launch's MPS environment)."""
-    import normlab.launch.preload  # noqa: F401  (heavy: seconds; the reason for warming up)
+    """A started worker's first task: import what every job imports (a forked worker has them from its forkserver),
+    without touching CUDA (whose start must see the launch's MPS environment): not torch._dynamo, which a job imports
+    at its first optimizer step, nor matplotlib, which its end imports, whose imports were never checked on a GPU
+    machine for that."""
+    import torch  # noqa: F401  (heavy: seconds; the reason for warming up)
+
+    import normlab.launch.task  # noqa: F401
+    import normlab.train.pack  # noqa: F401
+    import normlab.train.run  # noqa: F401
+
+    try:
+        import wandb  # noqa: F401  (the sinks import it for wandb.mode online or offline, the default)
+    except ImportError:
+        pass
 
 
 def _warm_up(pools: Sequence[ProcessPoolExecutor]) -> None:

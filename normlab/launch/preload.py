@@ -1,5 +1,5 @@
-"""What every sweep job imports, imported by importing this module: a worker's warm-up, and the CPU workers'
-forkserver's preload (normlab.launch.workers), so each forked worker starts with them imported once, not again.
+"""What every sweep job imports, imported by importing this module: the CPU workers' forkserver's preload
+(normlab.launch.workers), so each forked worker starts with them imported once, not again.
 
 Importing it starts no Python thread, and touches neither CUDA nor torch's thread pools: a process forked after it
 is as fresh as a spawned one that imported the same. wandb comes first: its import walks the modules loaded before

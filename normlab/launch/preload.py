@@ -1,11 +1,11 @@
 """What every sweep job imports, imported by importing this module: the CPU workers' forkserver's preload
 (normlab.launch.workers), so each forked worker starts with them imported once, not again.
 
-Importing it starts no Python thread, and touches neither CUDA nor torch's thread pools: a process forked after it
-is as fresh as a spawned one that imported the same. wandb comes first: its import walks the modules loaded before
-it, fewer before torch's. Then it exempts everything alive from later garbage collections (gc.freeze, without a
-collection first: 0.2 s for the few objects the imports left): a forked worker's collections walk none of it, nor
-touch (and so copy) its pages.
+Importing it starts no Python thread and none of torch's thread pools (checked on the CPU, whose workers alone are
+forked): a process forked after it is as fresh as a spawned one that imported the same. wandb comes first: its
+import walks the modules loaded before it, fewer before torch's. Then it exempts everything alive from later
+garbage collections (gc.freeze, without a collection first: 0.2 s for the few objects the imports left): a forked
+worker's collections walk none of it, nor touch (and so copy) its pages.
 """
 
 from __future__ import annotations

@@ -218,6 +218,48 @@ def test_a_worker_ends_when_its_launching_process_is_killed(how):
         proc.stdout.close()
 
 
+BUSY_JOB = """
+import signal, time
+def job():  # takes SIGTERM as a preemption, as a training job does, and returns
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
+    while not stopped:
+        time.sleep(0.05)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return "preempted"
+"""
+
+BUSY_PARENT = """
+import os, signal, sys, time
+from normlab.launch.workers import Workers, in_unit
+import busy_job
+workers = Workers([None], threads=1, fraction=1.0, warm=False)
+print(workers[0].submit(os.getpid).result(timeout=60), flush=True)
+workers[0].submit(in_unit, busy_job.job)
+time.sleep(1)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_worker_whose_job_took_its_parents_end_as_a_preemption_ends_after_it(tmp_path):
+    """The job running when the launching process died takes end_with_parent's SIGTERM as a preemption and returns:
+    its worker then ends too, where it waited for jobs for ever (with its forkserver)."""
+    (tmp_path / "busy_job.py").write_text(BUSY_JOB)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_PARENT], stdout=subprocess.PIPE, text=True, env=env)
+    worker = int(proc.stdout.readline())
+    try:
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        deadline = time.monotonic() + 30
+        while _running(worker):
+            assert time.monotonic() < deadline, f"worker {worker} still running 30 s after its parent died"
+            time.sleep(0.05)
+    finally:
+        if _running(worker):
+            os.kill(worker, signal.SIGKILL)
+        proc.stdout.close()
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:

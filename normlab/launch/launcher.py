@@ -64,7 +64,7 @@ from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
 from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
 from normlab.launch.task import ended_job, gone_member, member_result, pack_member, thaw_garbage, train_members
-from normlab.launch.workers import Workers, apply_setting, share_wandb_service
+from normlab.launch.workers import Workers, apply_setting, in_unit, share_wandb_service
 from normlab.launch.workers import pin_worker as _pin_worker  # noqa: F401  (a worker's start, as the tests call it)
 from normlab.train.ending import drain
 
@@ -365,7 +365,7 @@ class NormlabLauncher(BasicLauncher):
                     for idx, overrides in unit:
                         packed = f", pack of {len(unit)}" if len(unit) > 1 else ""
                         log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}  [{place}{packed}]")
-                    future = workers[slot].submit(_run_in_worker, unit, self.hydra_context, config,
+                    future = workers[slot].submit(in_unit, _run_in_worker, unit, self.hydra_context, config,
                                                   self.task_function, state, setting)
                     running[future] = (slot, [idx for idx, _ in unit])
                 if not running:

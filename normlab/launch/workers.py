@@ -124,11 +124,27 @@ def end_with_parent() -> None:
     """Wait for the launching process to end, then SIGTERM this worker. A launching process killed (SIGTERM,
     SIGKILL) before it ends its workers would leave them waiting for jobs for ever, warm since the sweep's set-up:
     an idle worker ends at once, and a job running in it takes the signal as a preemption (its checkpoint, then
-    its status), as from the launching process."""
+    its status), as from the launching process; then, its unit at hand ended and its runs' ends done, so does the
+    worker (no one is left to send it another unit)."""
     parent = multiprocessing.parent_process()
     if parent is not None:
         wait([parent.sentinel])
         os.kill(os.getpid(), signal.SIGTERM)
+        with _unit:
+            from normlab.train.ending import drain
+
+            drain()
+            os._exit(128 + signal.SIGTERM)
+
+
+# Held while this worker runs a unit of jobs (in_unit): end_with_parent waits for it.
+_unit = threading.Lock()
+
+
+def in_unit(fn, *args):
+    """`fn(*args)`, a unit of jobs in this worker (launcher._run_in_worker), which end_with_parent waits for."""
+    with _unit:
+        return fn(*args)
 
 
 def warm_up() -> None:

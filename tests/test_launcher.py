@@ -91,9 +91,6 @@ def test_two_jobs_at_once_on_the_cpu_equal_the_sequential_sweep(tmp_path):
         assert {"products", "sinks"} <= set(summary["phases"])
         [wandb_file] = (tmp_path / "conc" / name).glob("wandb/offline-run-*/run-*.wandb")
         assert "exit" in [r.WhichOneof("record_type") for r in finished_run_records(wandb_file)]
-        # Started in the launching process's wandb service, not one of the worker's own (share_wandb_service).
-        [debug] = (tmp_path / "conc" / name).glob("wandb/offline-run-*/logs/debug.log")
-        assert "Connected to an existing wandb-core service" in debug.read_text()
 
 
 def test_composed_once_hands_the_validated_config_to_the_launch_once_and_keeps_nothing_after():

@@ -79,27 +79,3 @@ def test_the_forkserver_starts_early_only_for_a_sweep_asking_for_several_cpu_job
     monkeypatch.setattr(workers.Path, "exists", lambda self: str(self) == "/proc/driver/nvidia/gpus")
     assert start_early(multirun, overrides) is False  # a GPU machine: its slots' workers are spawned
 
-
-@pytest.mark.parametrize("slots, sinks, mode, env_mode, shares", [
-    ([None, None], ["jsonl", "wandb"], None, None, True),  # offline, wandb's default for normlab
-    ([None, None], ["jsonl", "wandb"], "offline", "online", True),  # the config's mode wins
-    ([None, None], ["jsonl", "wandb"], None, "online", False),  # an online run may be retried in a fresh service
-    ([None, None], ["jsonl", "wandb"], None, "disabled", False),
-    ([None, None], ["jsonl"], None, None, False),  # no wandb sink
-    (["0", "0"], ["jsonl", "wandb"], None, None, False),  # a GPU's workers are spawned at once: not delayed by it
-])
-def test_the_wandb_service_is_shared_by_a_cpu_sweeps_offline_runs_only(monkeypatch, tmp_path, slots, sinks, mode,
-                                                                        env_mode, shares):
-    import wandb
-    from omegaconf import OmegaConf
-
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path))  # no user settings file
-    if env_mode is None:
-        monkeypatch.delenv("WANDB_MODE", raising=False)
-    else:
-        monkeypatch.setenv("WANDB_MODE", env_mode)
-    started = []
-    monkeypatch.setattr(wandb, "setup", lambda *a, **k: started.append(True))
-    config = OmegaConf.create({"sinks": sinks, "wandb": {"mode": mode}})
-    assert workers.share_wandb_service(config, slots) is shares
-    assert started == ([True] if shares else [])

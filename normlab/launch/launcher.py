@@ -64,7 +64,7 @@ from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
 from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
 from normlab.launch.task import ended_job, gone_member, member_result, pack_member, thaw_garbage, train_members
-from normlab.launch.workers import Workers, apply_setting, in_unit, share_wandb_service
+from normlab.launch.workers import Workers, apply_setting, in_unit
 from normlab.launch.workers import pin_worker as _pin_worker  # noqa: F401  (a worker's start, as the tests call it)
 from normlab.train.ending import drain
 
@@ -283,7 +283,6 @@ class NormlabLauncher(BasicLauncher):
             loader.load_sweep_config = ComposedOnce(loader.load_sweep_config)
         slots = plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)
         if len(slots) > 1 and self.workers is None:  # they import while the sweeper composes the jobs
-            share_wandb_service(config, slots)  # before the workers take this process's environment
             self.workers = Workers(slots, threads_per_job(len(slots)), _memory_share(slots))
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:

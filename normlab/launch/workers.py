@@ -58,28 +58,6 @@ def start_early(multirun: bool, overrides: Sequence[str]) -> bool:
     return True
 
 
-def share_wandb_service(config, slots: Sequence[Optional[str]]) -> bool:
-    """Start wandb's service in this, the launching, process (and say True), so that a CPU sweep's workers, which take
-    its environment and with it the service's address (WANDB_SERVICE, wandb's way for the processes of one program),
-    start their runs in it, not each a service of its own (0.35 s of one core per worker). Only where every slot is
-    the CPU's and the jobs' wandb runs are offline: an online run that cannot start is retried offline in a fresh
-    service of its worker's (normlab.train.sinks.wandb)."""
-    if any(slot is not None for slot in slots) or "wandb" not in (config.get("sinks") or []):
-        return False
-    try:
-        import wandb
-    except ImportError:
-        return False
-    from normlab.train.sinks.wandb import user_wandb_settings
-
-    user = user_wandb_settings()
-    mode = config.wandb.mode or (user.mode if "mode" in user.model_fields_set else "offline")
-    if mode != "offline":
-        return False
-    wandb.setup()
-    return True
-
-
 class _Inherited:
     """A file descriptor of the launching process as it is now, handed to a worker when it starts (a forked worker's
     own are its forkserver's, as they were when the forkserver started): pickled for the worker, it is sent to it."""

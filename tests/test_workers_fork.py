@@ -79,3 +79,25 @@ def test_the_forkserver_starts_early_only_for_a_sweep_asking_for_several_cpu_job
     monkeypatch.setattr(workers.Path, "exists", lambda self: str(self) == "/proc/driver/nvidia/gpus")
     assert start_early(multirun, overrides) is False  # a GPU machine: its slots' workers are spawned
 
+
+
+CLOSED_STDOUT = """
+import sys
+from normlab.launch.workers import Workers
+pool = Workers([None], threads=1, fraction=1.0, warm=False)
+try:
+    print(pool[0].submit(print, "from the worker").result(timeout=120), file=sys.stderr)
+finally:
+    pool.shutdown()
+"""
+
+
+def test_a_launcher_started_without_stdout_hands_its_workers_none(tmp_path):
+    """Started with stdout closed, the launching process's fd 1 may since name one of its own pipes: a forked worker
+    must not take it as its stdout (its lines then failed, or went into that pipe)."""
+    import subprocess
+
+    done = subprocess.run(["bash", "-c", f'{sys.executable} -c "$0" >&-', CLOSED_STDOUT], capture_output=True,
+                          text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == "None" and "Error" not in done.stderr, done.stderr[-2000:]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import forkserver, get_context, reduction
@@ -74,14 +75,18 @@ def _received(dup) -> int:
 
 
 def pin_worker(gpu: Optional[str], threads: int, memory_fraction: float, env: Optional[dict] = None,
-               environ: Optional[dict] = None, outputs: Sequence[int] = ()) -> None:
-    """A worker's start: take the launching process's environment (`environ`) and its stdout and stderr (`outputs`,
-    file descriptors): a forked worker has its forkserver's. Then pin it to its GPU and its share of the CPU
-    threads, and point it to the sweep's MPS daemon (`env`), before CUDA starts."""
+               environ: Optional[dict] = None, outputs: Sequence[tuple] = ()) -> None:
+    """A worker's start: take the launching process's environment (`environ`) and its stdout and stderr (`outputs`:
+    (1 or 2, the fd received for it, or None: the launching process started without it, and the worker's goes to
+    /dev/null, its fd left as it is)): a forked worker has its forkserver's. Then pin it to its GPU and its share of
+    the CPU threads, and point it to the sweep's MPS daemon (`env`), before CUDA starts."""
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
-    for fd, target in zip(outputs, (1, 2)):
+    for target, fd in outputs:
+        if fd is None:  # the launching process started without it: what the worker writes there goes nowhere
+            setattr(sys, "stdout" if target == 1 else "stderr", open(os.devnull, "w"))
+            continue
         os.dup2(fd, target)
         os.close(fd)
     if gpu is not None:
@@ -165,7 +170,9 @@ class Workers:
         method = start_method(gpu)
         if method == "forkserver":
             start_server()
-        outputs = (_Inherited(1), _Inherited(2)) if method == "forkserver" else ()
+        # A stream the process started without (closed: `>&-`) is not sent: its fd may since name a pipe of its own.
+        started = ((1, sys.__stdout__), (2, sys.__stderr__)) if method == "forkserver" else ()
+        outputs = tuple((target, None if stream is None else _Inherited(target)) for target, stream in started)
         return ProcessPoolExecutor(1, get_context(method), initializer=pin_worker,
                                    initargs=(gpu, self.threads, self.fraction, self.env, dict(os.environ), outputs))
 

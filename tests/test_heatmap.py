@@ -47,3 +47,17 @@ def test_each_size_and_thread_has_its_own_figure():
     thread.start()
     thread.join()
     assert other == {"png": expected["small"], "figures": 1}
+
+
+def test_a_changed_style_draws_on_a_new_figure():
+    """A figure keeps matplotlib's style (rcParams) as it was made: a user who changes it in the same process (a
+    notebook) gets the heatmap a fresh figure draws in the new style, not one in the old."""
+    import matplotlib
+
+    recs = records(2, 11, 100.0)
+    heatmap.layer_heatmap(recs, keys.RESID_RMS, "t")  # a figure made, and kept, in the default style
+    with matplotlib.rc_context({"figure.facecolor": "0.2"}):
+        reused = heatmap.layer_heatmap(recs, keys.RESID_RMS, "t")
+        expected = fresh(recs, "t")
+    assert reused == expected
+    assert heatmap.layer_heatmap(recs, keys.RESID_RMS, "t") != expected  # back to the default style

@@ -12,6 +12,7 @@ import io
 import math
 import threading
 
+import matplotlib
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
@@ -66,6 +67,10 @@ def _figure(width: float, height: float) -> Figure:
     """A blank figure of `width` x `height` inches at 100 dpi on its own Agg canvas: this thread's figure of that
     size, cleared (a later heatmap of a sweep's job is as large as its first)."""
     figures = _figures.__dict__.setdefault("by_size", {})
+    style = dict(matplotlib.rcParams)  # a figure keeps the style it was made with: a changed style, a new figure
+    if _figures.__dict__.get("style") != style:
+        figures.clear()
+        _figures.style = style
     fig = figures.get((width, height))
     if fig is None:
         if len(figures) >= 4:  # sizes come from a run's depth and steps: a handful at most, but not held for ever

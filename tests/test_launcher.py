@@ -202,17 +202,7 @@ def test_a_worker_ends_when_its_launching_process_is_killed(how):
     """A launching process killed before it ends its workers (its SIGTERM runs no clean-up) left them waiting
     for jobs for ever, re-parented: each worker now ends with its parent."""
     proc = subprocess.Popen([sys.executable, "-c", PARENT, how], stdout=subprocess.PIPE, text=True)
-    worker = int(proc.stdout.readline())  # not read to its end: a surviving worker would hold the pipe open
-    try:
-        assert proc.wait(timeout=60) == (-signal.SIGKILL if how == "kill" else -signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while _running(worker):
-            assert time.monotonic() < deadline, f"worker {worker} still running 30 s after its parent died"
-            time.sleep(0.05)
-    finally:
-        if _running(worker):
-            os.kill(worker, signal.SIGKILL)
-        proc.stdout.close()
+    _parent_dies_then_its_worker(proc, -signal.SIGKILL if how == "kill" else -signal.SIGTERM)
 
 
 BUSY_JOB = """
@@ -244,9 +234,14 @@ def test_a_worker_whose_job_took_its_parents_end_as_a_preemption_ends_after_it(t
     (tmp_path / "busy_job.py").write_text(BUSY_JOB)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-c", BUSY_PARENT], stdout=subprocess.PIPE, text=True, env=env)
-    worker = int(proc.stdout.readline())
+    _parent_dies_then_its_worker(proc, -signal.SIGKILL)
+
+
+def _parent_dies_then_its_worker(proc: subprocess.Popen, returncode: int) -> None:
+    """`proc` prints its worker's pid, then dies with `returncode`: its worker must end within 30 s."""
+    worker = int(proc.stdout.readline())  # not read to its end: a surviving worker would hold the pipe open
     try:
-        assert proc.wait(timeout=60) == -signal.SIGKILL
+        assert proc.wait(timeout=60) == returncode
         deadline = time.monotonic() + 30
         while _running(worker):
             assert time.monotonic() < deadline, f"worker {worker} still running 30 s after its parent died"

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train":
         from normlab.launch.workers import start_early
 
-        start_early("-m" in rest or "--multirun" in rest, rest)  # before Hydra's imports: see run_train
+        # A CPU sweep's workers' forkserver, importing beside this process's own imports (Hydra's, torch's).
+        start_early("-m" in rest or "--multirun" in rest, rest)
         from normlab.launch.app import run_train
 
         return run_train(rest)

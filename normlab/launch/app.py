@@ -32,7 +32,6 @@ from normlab.launch.resolvers import register_resolvers
 from normlab.launch.resume import check_unchanged, replay, resume_spec, saved_run_of
 from normlab.launch.rundir import RunEnded, claim, compose_run
 from normlab.launch.task import train_job
-from normlab.launch.workers import start_early
 from normlab.util.errors import fail
 
 
@@ -53,7 +52,6 @@ def run_train(argv: list[str]) -> int:
         return 0
     try:
         check_modes(args)
-        start_early(args.multirun, args.overrides)  # a CPU sweep's workers' imports, beside this process's own
         argv, args, unchanged = _resuming(argv, args)
         config_dirs = [args.config_dir] if args.config_dir else []
         added = check_command(args.overrides, config_dirs, args.multirun, args.config_name)

@@ -12,7 +12,8 @@ from multiprocessing import get_context
 import pytest
 
 import normlab.launch.launcher as launcher
-from normlab.launch.launcher import plan_slots, threads_per_job, visible_gpus
+from normlab.launch.launcher import plan_slots, threads_per_job
+from normlab.launch.machine import visible_gpus
 from cli_here import normlab_here
 from test_cli import TINY, run_dirs
 from wandb_log import finished_run_records

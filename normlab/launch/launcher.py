@@ -62,6 +62,7 @@ from omegaconf.basecontainer import BaseContainer
 from normlab.config import RunConfig
 from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
+from normlab.launch.machine import visible_gpus
 from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
 from normlab.launch.task import ended_job, gone_member, member_result, pack_member, thaw_garbage, train_members
 from normlab.launch.workers import Workers, apply_setting, in_unit
@@ -74,20 +75,6 @@ log = logging.getLogger(__name__)
 # took 106 s one job at a time and 47 s with 4 at once (joblib); scripts/sweep_bench.py measures
 # 1, 2, 4 and 8 to settle the default on a given GPU. conf/hydra/launcher/normlab.yaml sets the same.
 JOBS_PER_GPU = 4
-
-
-def visible_gpus(devices: Optional[Sequence[Any]] = None) -> list[str]:
-    """The GPUs a sweep may use, as CUDA_VISIBLE_DEVICES entries: `devices` when given, else the
-    entries of CUDA_VISIBLE_DEVICES when it is set, else every GPU torch sees ([] without CUDA)."""
-    if devices is not None:
-        return [str(d) for d in devices]
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        entries = [e.strip() for e in env.split(",") if e.strip()]
-        return [] if entries[:1] == ["-1"] else entries
-    import torch  # heavy: only to count the GPUs (Hydra's plugin scan imports this module)
-
-    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def plan_slots(gpus: Sequence[str], jobs_per_gpu: int, cpu_jobs: int) -> list[Optional[str]]:

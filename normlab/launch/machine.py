@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional, Sequence
 
 from omegaconf import OmegaConf, open_dict
 
@@ -154,3 +155,17 @@ def _has_cuda() -> bool:
     import torch  # seconds to import: only for the device check, not for `normlab train --help`
 
     return torch.cuda.is_available()
+
+
+def visible_gpus(devices: Optional[Sequence[Any]] = None) -> list[str]:
+    """The GPUs a sweep may use, as CUDA_VISIBLE_DEVICES entries: `devices` when given, else the
+    entries of CUDA_VISIBLE_DEVICES when it is set, else every GPU torch sees ([] without CUDA)."""
+    if devices is not None:
+        return [str(d) for d in devices]
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        entries = [e.strip() for e in env.split(",") if e.strip()]
+        return [] if entries[:1] == ["-1"] else entries
+    import torch  # seconds to import: only to count the GPUs (Hydra's plugin scan imports the launcher)
+
+    return [str(i) for i in range(torch.cuda.device_count())]

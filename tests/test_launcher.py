@@ -38,6 +38,50 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     assert visible_gpus() == []
 
 
+def test_no_gpu_is_known_without_torch_only_where_none_can_be(monkeypatch):
+    """A Linux machine without a GPU's device files, or macOS, has no CUDA device for torch; anywhere else, or once
+    torch is imported, torch is asked."""
+    import normlab.launch.machine as machine
+
+    monkeypatch.delitem(sys.modules, "torch")  # the module object stays alive in the test's imports
+    present: set = set()
+    monkeypatch.setattr(machine.os.path, "exists", lambda path: path in present)
+    monkeypatch.setattr(machine.sys, "platform", "linux")
+    assert machine.gpu_impossible()
+    for path in machine.GPU_DEVICE_FILES:  # NVIDIA, WSL, ROCm
+        present.add(path)
+        assert not machine.gpu_impossible()
+        present.clear()
+    monkeypatch.setattr(machine.sys, "platform", "darwin")
+    assert machine.gpu_impossible()
+    monkeypatch.setattr(machine.sys, "platform", "win32")
+    assert not machine.gpu_impossible()
+    monkeypatch.setattr(machine.sys, "platform", "linux")
+    monkeypatch.setitem(sys.modules, "torch", object())
+    assert not machine.gpu_impossible()
+
+
+def test_a_cpu_sweeps_launching_process_leaves_torch_to_its_workers(tmp_path):
+    """On a machine without a GPU, the checks before Hydra starts, the launcher's slots and the ranks' check import
+    no torch: the workers' forkserver imports it while the launching process composes the sweep."""
+    code = (
+        "import sys\n"
+        "from normlab.launch.machine import gpu_impossible, visible_gpus\n"
+        "from normlab.launch.prechecks import check_command\n"
+        "from normlab.launch.resolvers import register_resolvers\n"
+        "from normlab.train.ranks import several_ranks\n"
+        "register_resolvers()\n"
+        "if not gpu_impossible(): print('gpu'); sys.exit()\n"
+        f"check_command(['seed=0,1', 'model=tiny', 'hydra.sweep.dir={tmp_path}/sweep'], [], True, None)\n"
+        "print(visible_gpus(), several_ranks(), 'torch' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    if out.strip() == "gpu":
+        pytest.skip("a machine with a GPU's device files: the launcher asks torch")
+    assert out.strip() == "[] False False"
+
+
 def test_threads_are_shared_out(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))

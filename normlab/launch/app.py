@@ -32,6 +32,7 @@ from normlab.launch.resolvers import register_resolvers
 from normlab.launch.resume import check_unchanged, replay, resume_spec, saved_run_of
 from normlab.launch.rundir import RunEnded, claim, compose_run
 from normlab.launch.task import train_job
+from normlab.train.ranks import several_ranks
 from normlab.util.errors import fail
 
 
@@ -86,28 +87,32 @@ def _resuming(argv: list[str], args) -> tuple[list[str], argparse.Namespace, Cal
 def _train(argv: list[str], overrides: list[str], config_dirs: list[str], multirun: bool,
            config_name: str | None) -> int:
     """Run Hydra on the checked command line `argv` (its `overrides`); returns the process exit code."""
-    # Help needs Hydra alone, so torch (through distributed) is imported here, past the help.
-    import normlab.train.distributed as distributed
-
-    if distributed.init_from_env():
+    distributed = None
+    if several_ranks():
+        # torch, through distributed: only in one of several ranks (a sweep's launching process leaves torch's
+        # import to its workers, and help needs Hydra alone).
+        import normlab.train.distributed as distributed
+    if distributed is not None and distributed.init_from_env():
         # Ranks may start seconds apart: all take rank 0's time stamp and id, hence its dirs.
         register_resolvers(distributed.broadcast_object((time.time(), secrets.token_hex(3))))
         if not distributed.is_main():
             argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout"]  # rank 0 writes the run dir's files
+    main_rank = distributed is None or distributed.is_main()
     # hydra/launcher=normlab, the default. Hydra finds plugins by walking the hydra_plugins package,
     # which misses one in an editable install (`pip install -e .`).
     Plugins.instance().register(NormlabLauncher)
     try:
         # A single run's dir is locked and its resume checked before Hydra writes into it (normlab.launch.rundir).
         guard = claim(overrides, config_dirs, CONFIG_MODULE, config_name)
-        with guard if not multirun and distributed.is_main() else contextlib.nullcontext():
+        with guard if not multirun and main_rank else contextlib.nullcontext():
             _hydra_main(["normlab train", *argv])
     except ConfigError as err:
         return fail(err)
     except RunEnded as ended:  # nothing to train, and its dir stays as it is: Hydra never started
         print(ended, file=sys.stderr)
     finally:
-        distributed.shutdown()
+        if distributed is not None:
+            distributed.shutdown()
     return 0
 
 

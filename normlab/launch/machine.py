@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,14 +142,37 @@ def check_machine(composed: list, multirun: bool, local: bool, units_of=None) ->
         with open_dict(cfg):
             del cfg["hydra"]
         cfgs.append(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True), validate=False))
-    from normlab.train.runtime import check_device  # torch: seconds to import, not for `normlab train --help`
-
     for device in sorted({cfg.device for cfg in cfgs}):
         if multirun and device == "cuda" and not _has_cuda():
             continue  # in a sweep, that job fails alone and the sweep goes on, as any failing job does
-        resolved = check_device(device)
+        resolved = _checked_device(device)
         here = [cfg for cfg in cfgs if cfg.device == device]
         check_memory(here, resolved, units_of(here) if units_of and multirun else None)
+
+
+# The device files through which a process reaches a GPU that torch.cuda can use on Linux: NVIDIA's driver, WSL's
+# GPU paravirtualisation, AMD's ROCm (torch's HIP builds answer as torch.cuda).
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
+def gpu_impossible() -> bool:
+    """True where torch can see no CUDA device, known without importing torch (a second, which a sweep's launching
+    process would spend before its first job): Linux with none of GPU_DEVICE_FILES, or macOS, whose torch has no
+    CUDA. False (ask torch) anywhere else, and wherever torch is imported already."""
+    if "torch" in sys.modules:
+        return False
+    if sys.platform == "darwin":
+        return True
+    return sys.platform.startswith("linux") and not any(os.path.exists(path) for path in GPU_DEVICE_FILES)
+
+
+def _checked_device(device: str) -> str:
+    """check_device's answer ('cpu' or 'cuda'); without torch where the answer is the CPU anyway."""
+    if device == "cpu" or (device == "auto" and gpu_impossible()):
+        return "cpu"
+    from normlab.train.runtime import check_device  # torch: seconds to import, not for `normlab train --help`
+
+    return check_device(device)
 
 
 def _has_cuda() -> bool:
@@ -166,6 +190,8 @@ def visible_gpus(devices: Optional[Sequence[Any]] = None) -> list[str]:
     if env is not None:
         entries = [e.strip() for e in env.split(",") if e.strip()]
         return [] if entries[:1] == ["-1"] else entries
+    if gpu_impossible():
+        return []
     import torch  # seconds to import: only to count the GPUs (Hydra's plugin scan imports the launcher)
 
     return [str(i) for i in range(torch.cuda.device_count())]

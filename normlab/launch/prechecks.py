@@ -189,9 +189,6 @@ def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = Fals
     Returns overrides to add: `resume=PATH` continues that checkpoint's run in its own dir, so
     unless `hydra.run.dir` is given, one pointing there.
     """
-    # torch (through the checkpoint module): not for `normlab train --help`, which imports this module.
-    from normlab.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_newest, run_dir_of
-
     parsed = OverridesParser.create().parse_overrides(overrides)
     check_values(parsed, config_dirs, _job_of(overrides, config_dirs) if multirun else None)
     extra: list[str] = []
@@ -203,6 +200,10 @@ def precheck(overrides: list[str], config_dirs: list[str], multirun: bool = Fals
         for path in paths:
             if not isinstance(path, str) or not path.strip():
                 raise ConfigError(f"resume={path!r}: choose null, auto or a checkpoint path")
+            # torch, through the checkpoint module: imported only for a resume path, so that a command without
+            # one (and a sweep's launching process, whose workers import torch) never waits for it.
+            from normlab.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_newest, run_dir_of
+
             try:
                 checkpoint = find_checkpoint(path)
                 # A bad file stops here, before Hydra makes a run dir.

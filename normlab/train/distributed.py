@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from normlab.config import ConfigError, RunConfig
 from normlab.nn.norms import needs_ddp_sync
+from normlab.train.ranks import launched_by_torchrun, slurm_tasks
 
 
 def is_active() -> bool:
@@ -47,18 +48,12 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def export_slurm_tasks() -> None:
     """In a submitit job of several tasks (hydra.launcher.tasks_per_node > 1 or nodes > 1), which SLURM
     starts with SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID, set what torchrun would: RANK, WORLD_SIZE,
     LOCAL_RANK, and MASTER_ADDR/MASTER_PORT (the job's first node, a port drawn from the job id).
     Every task keeps seeing all the node's GPUs and drives the one of its LOCAL_RANK, as under torchrun."""
-    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or "WORLD_SIZE" in os.environ:
-        return
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    if slurm_tasks():
         from submitit.helpers import TorchDistributedEnvironment  # present in a submitit job, optional elsewhere
 
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)

@@ -3,6 +3,7 @@ summary, read back from the offline run's .wandb file; and an online run that ca
 
 import json
 import logging
+import os
 import time
 
 import pytest
@@ -210,3 +211,34 @@ def test_the_installed_packages_are_read_once_in_a_process_and_every_run_records
               for name in ("first", "second")]
     assert listed[0] == listed[1] and any(line.startswith("torch==") for line in listed[0])
     assert wandb.util.working_set.listed_once  # the sink made wandb's list one read once
+
+
+def test_a_run_looks_for_staged_launch_inputs_only_where_they_can_have_been_staged(tmp_path, no_user_wandb_settings,
+                                                                                  monkeypatch):
+    """wandb.init applies W&B Launch's staged job inputs; looking imports all of wandb.sdk.launch. Without the module
+    that stages them there are none, and a fresh process's wandb run never imports it; with it, they are applied."""
+    import subprocess
+    import sys
+
+    from normlab.train.sinks.wandb import LAUNCH_INPUTS
+
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import sys, wandb\n"
+         "from normlab.train.sinks.wandb import apply_launch_inputs_when_staged\n"
+         "apply_launch_inputs_when_staged(wandb.Run)\n"
+         f"run = wandb.init(mode='offline', dir={str(tmp_path)!r}, settings=wandb.Settings(silent=True))\n"
+         "run.finish()\n"
+         "print(sorted(m for m in sys.modules if m.startswith('wandb.sdk.launch')))"],
+        capture_output=True, text=True, check=True, env={**os.environ, "WANDB_MODE": "offline"})
+    assert fresh.stdout.strip().splitlines()[-1] == "[]"
+
+    import importlib
+
+    staged = importlib.import_module(LAUNCH_INPUTS)
+    applied = []
+    monkeypatch.setattr(staged.StagedLaunchInputs, "apply", lambda self, run: applied.append(run.id))
+    train(_cfg(), tmp_path / "staged")
+    assert len(applied) == 1  # the run's own id
+    monkeypatch.delitem(sys.modules, LAUNCH_INPUTS)
+    train(_cfg(), tmp_path / "unstaged")
+    assert len(applied) == 1

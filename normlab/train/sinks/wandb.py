@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ class WandbSink(Sink):
         self._wandb = wandb
         self._layers = wandb_cfg.layers
         list_packages_once(wandb.util)
+        apply_launch_inputs_when_staged(wandb.Run)
         user = user_wandb_settings()
         given = user.model_fields_set
         kwargs = dict(
@@ -155,6 +157,28 @@ def list_packages_once(util) -> None:
 
     working_set.listed_once = True
     util.working_set = working_set
+
+
+# W&B Launch's staged job inputs live in this module: wandb.launch.manage_config_file and manage_wandb_config stage
+# them there, and each wandb.init applies them (Run._detect_and_apply_job_inputs) by importing it.
+LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"
+
+
+def apply_launch_inputs_when_staged(run_class) -> None:
+    """Each wandb.init applies the W&B Launch job inputs staged in this process; to look, it imports LAUNCH_INPUTS,
+    and with it all of wandb.sdk.launch: 0.2 s of a process's first run, which normlab never stages inputs in.
+    Inputs can only have been staged where that module is imported, so where it is not, there are none and the
+    look is skipped; where it is, wandb applies them as before. Nothing is changed where wandb has no such step."""
+    apply = getattr(run_class, "_detect_and_apply_job_inputs", None)
+    if apply is None or getattr(apply, "when_staged", False):
+        return
+
+    def detect_and_apply_job_inputs(run) -> None:
+        if LAUNCH_INPUTS in sys.modules:
+            apply(run)
+
+    detect_and_apply_job_inputs.when_staged = True
+    run_class._detect_and_apply_job_inputs = detect_and_apply_job_inputs
 
 
 def user_wandb_settings():

@@ -8,8 +8,9 @@ telemetry every 10 steps and the step's figures read every step; steps 9 (plain)
 profiled, each from its start to its end, the device synchronized at both. Printed, and with --out written to
 DIR/telemetry-profile-<shape>-<eager|compile>.txt: per step the CUDA kernels launched, the aten ops dispatched
 (nested ones counted), the kernels' total time, the CPU time the profiler saw (self time summed) and the step's
-wall time; then the telemetry step's table by self device time (by self CPU time on the CPU, `--cpu` or
-without CUDA, where it runs fp32).
+wall time; then the telemetry step's table by self device time, and on CUDA a second by self CPU time (the host's
+time: aten ops and CUDA's runtime calls, launches, allocations and synchronizations); on the CPU (`--cpu` or without
+CUDA, where it runs fp32) one table by self CPU time.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def profile_telemetry_step(shape: str, compiled: bool, precision: str, device: t
     for name, f in figures.items():
         lines.append(f"{name:<10} kernels {f['kernels']:>6}  aten ops {f['aten_ops']:>6}  kernel time {f['device_ms']:8.3f} ms"
                      f"  CPU time seen {f['cpu_ms']:8.3f} ms  wall {f['wall_ms']:8.3f} ms")
-    lines += ["", f"telemetry step, by {sort}:", profiler.profiles[TELEMETRY][0].key_averages().table(sort_by=sort, row_limit=40)]
+    events = profiler.profiles[TELEMETRY][0].key_averages()
+    lines += ["", f"telemetry step, by {sort}:", events.table(sort_by=sort, row_limit=40)]
+    if device.type == "cuda":  # where the host's time goes: aten ops and CUDA's runtime calls (launches, mallocs, syncs)
+        lines += ["", "telemetry step, by self_cpu_time_total:", events.table(sort_by="self_cpu_time_total", row_limit=40)]
     return figures, "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 # The next device call (prepared 2026-11-26, not yet run): telemetry's eager overhead at CUDA's stack cap 2^22
 # and at 2^24 on one machine (calls 2 and 4 measured 15% and 66% on two machines), the host time a telemetry step
 # adds by phase on the GPU, then the 8-arm sweep and the suite. Then run `--call 2` (pack21, ablation72, torchrun)
-# in a second call. Writes under $OUT (8 files at most come back).
+# in a second call. Writes under $OUT (8 files at most come back): each cap's JSON and eager profile (the host's time
+# by op and CUDA runtime call), the host split, and the sweep's and suite's JSON, .md and log.
 set -u -o pipefail
 source .whl/setup.sh || exit 1
 export PYTHONUNBUFFERED=1
@@ -19,5 +20,5 @@ timeout 110 python3 scripts/gpu_acceptance.py --out "$OUT/cap24" --stage telemet
 sed -i 's/^STACK_ELEMENTS = 1 << 24$/STACK_ELEMENTS = 1 << 22/' normlab/train/probe_sites.py
 # 3. The 8-arm sweep and the suite (tests/test_cuda.py first).
 timeout 230 python3 scripts/gpu_acceptance.py --out "$OUT" --stage sweep8 suite --budget sweep8=95 --budget suite=120
-rm -f "$OUT"/gpu-h1*.json "$OUT"/cap2*/gpu-h1*.json "$OUT"/cap2*/*.log "$OUT"/cap2*/telemetry-profile-*.txt
+rm -f "$OUT"/gpu-h1*.json "$OUT"/cap2*/gpu-h1*.json "$OUT"/cap2*/*.log "$OUT"/cap2*/*.md "$OUT"/cap2*/telemetry-profile-*-compile.txt
 echo "call5 done"

@@ -1,7 +1,7 @@
 """Time outside training, this checkout against a base commit: a one-step run and a small CPU sweep, interleaved.
 
     python scripts/overhead_bench.py [--base COMMIT] [--repeats 3] [--jobs 8] [--cpu-jobs 2] [--steps 100]
-                                     [--threads N] [--ablation] [OVERRIDE ...]
+                                     [--threads N] [--single | --ablation] [OVERRIDE ...]
 
 The two commands of issue 38's item 3, run as real processes (`python -m normlab`, wandb offline as by
 default), alternately with this checkout's normlab and with a `git archive` of `--base` (default: the
@@ -133,6 +133,9 @@ def run_round(name: str, env: dict[str, str], work: Path, args, results: dict) -
     single_dir, sweep_dir = work / f"{name}-single", work / f"{name}-sweep"
     wall, cpu = timed(["train", *SINGLE, *args.overrides, f"hydra.run.dir={single_dir}"], env, work)
     results[name]["single"].append((wall, cpu))
+    subprocess.run(["rm", "-rf", str(single_dir)], check=True)
+    if args.single:
+        return
     seeds = ",".join(str(s) for s in range(args.jobs))
     wall, cpu = timed(["train", "-m", f"seed={seeds}", *sweep_job(args), *args.overrides,
                        f"hydra.launcher.cpu_jobs={args.cpu_jobs}", f"hydra.sweep.dir={sweep_dir}"], env, work)
@@ -143,8 +146,7 @@ def run_round(name: str, env: dict[str, str], work: Path, args, results: dict) -
     loops = [loop_seconds(s) for s in jobs]
     by_phases = sum(p for p, _ in loops) if all(p is not None for p, _ in loops) else None
     results[name]["sweep"].append((wall, cpu, by_phases, sum(t for _, t in loops)))
-    for path in (single_dir, sweep_dir):
-        subprocess.run(["rm", "-rf", str(path)], check=True)
+    subprocess.run(["rm", "-rf", str(sweep_dir)], check=True)
 
 
 def log_times(sweep_dir: Path, pattern: re.Pattern) -> list[float]:
@@ -199,6 +201,8 @@ def report(results: dict, args) -> None:
     for name, rows in results.items():
         walls, cpus = zip(*rows["single"])
         print(f"  {name:<5} {med(walls):6.2f} s wall  {med(cpus):6.2f} s CPU   (walls {', '.join(f'{w:.2f}' for w in walls)})")
+    if args.single:
+        return
     print(f"sweep of {args.jobs} ({' '.join(sweep_job(args))}, cpu_jobs={args.cpu_jobs}): target <= 40% of the "
           f"slot-seconds outside the training loops")
     for name, rows in results.items():
@@ -220,6 +224,9 @@ def main() -> int:
     parser.add_argument("--cpu-jobs", type=int, default=2, help="hydra.launcher.cpu_jobs of the sweep")
     parser.add_argument("--steps", type=int, default=100, help="max_steps of the sweep's jobs (eval_every: half)")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of both commands (default: unset)")
+    parser.add_argument("--single", action="store_true",
+                        help="time the one-step run alone: no sweep between its runs, whose files and processes leave "
+                             "work behind them (the page cache's writes, wandb's services ending) that the next run meets")
     parser.add_argument("--ablation", action="store_true", help="time the 72-run ablation grid's head and tail instead")
     parser.add_argument("overrides", nargs="*", help="normlab overrides added to both commands")
     args = parser.parse_args()

@@ -38,11 +38,13 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     assert visible_gpus() == []
 
 
-def test_no_gpu_is_known_without_torch_only_where_none_can_be(monkeypatch):
-    """A Linux machine without a GPU's device files, or macOS, has no CUDA device for torch; anywhere else, or once
-    torch is imported, torch is asked."""
+def test_no_gpu_is_known_without_torch_only_where_none_can_be(monkeypatch, tmp_path):
+    """A Linux machine without a GPU's device files or an NVIDIA GPU on its PCI bus, or macOS, has no CUDA device for
+    torch; anywhere else, or once torch is imported, torch is asked."""
     import normlab.launch.machine as machine
 
+    (tmp_path / "pci").mkdir()
+    monkeypatch.setattr(machine, "PCI_DEVICES", str(tmp_path / "pci"))  # a PCI bus without devices
     monkeypatch.delitem(sys.modules, "torch")  # the module object stays alive in the test's imports
     present: set = set()
     monkeypatch.setattr(machine.os.path, "exists", lambda path: path in present)
@@ -58,6 +60,36 @@ def test_no_gpu_is_known_without_torch_only_where_none_can_be(monkeypatch):
     assert not machine.gpu_impossible()
     monkeypatch.setattr(machine.sys, "platform", "linux")
     monkeypatch.setitem(sys.modules, "torch", object())
+    assert not machine.gpu_impossible()
+
+
+def test_a_gpu_whose_device_files_are_not_made_yet_is_left_to_torch(monkeypatch, tmp_path):
+    """NVIDIA's device files exist once udev, or the nvidia-modprobe that libcuda runs at its first use, makes them:
+    before that an NVIDIA GPU shows on the PCI bus (sysfs), and torch's look makes them and finds it. A Jetson's GPU
+    has nvgpu's files instead. Where sysfs cannot be read, torch is asked."""
+    import normlab.launch.machine as machine
+
+    pci = tmp_path / "pci"
+    for name, vendor, pci_class in (("0000:00:00.0", "0x8086", "0x060000"),  # a host bridge
+                                    ("0000:01:00.1", "0x10de", "0x040300")):  # an NVIDIA GPU's audio function
+        (pci / name).mkdir(parents=True)
+        (pci / name / "vendor").write_text(vendor + "\n")
+        (pci / name / "class").write_text(pci_class + "\n")
+    monkeypatch.setattr(machine, "PCI_DEVICES", str(pci))
+    monkeypatch.delitem(sys.modules, "torch")  # the module object stays alive in the test's imports
+    present: set = set()
+    monkeypatch.setattr(machine.os.path, "exists", lambda path: path in present)
+    monkeypatch.setattr(machine.sys, "platform", "linux")
+    assert machine.gpu_impossible()
+    for path in ("/dev/nvhost-ctrl-gpu", "/dev/nvgpu"):  # a Jetson's GPU: nvgpu's control file, older and newer name
+        present.add(path)
+        assert not machine.gpu_impossible()
+        present.clear()
+    (pci / "0000:01:00.0").mkdir()
+    (pci / "0000:01:00.0" / "vendor").write_text("0x10de\n")
+    (pci / "0000:01:00.0" / "class").write_text("0x030200\n")  # a 3D controller: a data-centre GPU
+    assert not machine.gpu_impossible()
+    monkeypatch.setattr(machine, "PCI_DEVICES", str(tmp_path / "no-sysfs"))
     assert not machine.gpu_impossible()
 
 

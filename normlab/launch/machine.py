@@ -151,19 +151,42 @@ def check_machine(composed: list, multirun: bool, local: bool, units_of=None) ->
 
 
 # The device files through which a process reaches a GPU that torch.cuda can use on Linux: NVIDIA's driver, WSL's
-# GPU paravirtualisation, AMD's ROCm (torch's HIP builds answer as torch.cuda).
-GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+# GPU paravirtualisation, AMD's ROCm (torch's HIP builds answer as torch.cuda), a Jetson's integrated GPU (nvgpu's
+# control file, by its older and its newer name).
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd", "/dev/nvhost-ctrl-gpu", "/dev/nvgpu")
+# NVIDIA's device files exist once something makes them: udev, or else the nvidia-modprobe that the driver's libraries
+# run at their first use (torch's look included). Before that, the GPU shows on the PCI bus, as sysfs lists it.
+PCI_DEVICES = "/sys/bus/pci/devices"
+NVIDIA_PCI_VENDOR = "0x10de"
+
+
+def _nvidia_gpu_on_pci() -> bool:
+    """Whether an NVIDIA GPU (a display or 3D controller: PCI class 0x03) may be on this machine's PCI bus: True
+    where sysfs cannot be read."""
+    try:
+        names = os.listdir(PCI_DEVICES)
+    except OSError:
+        return True
+    for name in names:
+        try:
+            vendor, pci_class = (Path(PCI_DEVICES, name, key).read_text().strip() for key in ("vendor", "class"))
+        except OSError:
+            continue
+        if vendor == NVIDIA_PCI_VENDOR and pci_class.startswith("0x03"):
+            return True
+    return False
 
 
 def gpu_impossible() -> bool:
     """True where torch can see no CUDA device, known without importing torch (a second, which a sweep's launching
-    process would spend before its first job): Linux with none of GPU_DEVICE_FILES, or macOS, whose torch has no
-    CUDA. False (ask torch) anywhere else, and wherever torch is imported already."""
+    process would spend before its first job): Linux with none of GPU_DEVICE_FILES and no NVIDIA GPU on its PCI bus,
+    or macOS, whose torch has no CUDA. False (ask torch) anywhere else, and wherever torch is imported already."""
     if "torch" in sys.modules:
         return False
     if sys.platform == "darwin":
         return True
-    return sys.platform.startswith("linux") and not any(os.path.exists(path) for path in GPU_DEVICE_FILES)
+    return (sys.platform.startswith("linux") and not any(os.path.exists(path) for path in GPU_DEVICE_FILES)
+            and not _nvidia_gpu_on_pci())
 
 
 def _checked_device(device: str) -> str:

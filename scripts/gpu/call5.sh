@@ -20,5 +20,7 @@ timeout 110 python3 scripts/gpu_acceptance.py --out "$OUT/cap24" --stage telemet
 sed -i 's/^STACK_ELEMENTS = 1 << 24$/STACK_ELEMENTS = 1 << 22/' normlab/train/probe_sites.py
 # 3. The 8-arm sweep and the suite (tests/test_cuda.py first).
 timeout 230 python3 scripts/gpu_acceptance.py --out "$OUT" --stage sweep8 suite --budget sweep8=95 --budget suite=120
-rm -f "$OUT"/gpu-h1*.json "$OUT"/cap2*/gpu-h1*.json "$OUT"/cap2*/*.log "$OUT"/cap2*/*.md "$OUT"/cap2*/telemetry-profile-*-compile.txt
+# The device-named copies of gpu-acceptance.json (gpu-h100.json, gpu-h200.json: the call may land on either).
+find "$OUT" -maxdepth 2 -name "gpu-*.json" ! -name gpu-acceptance.json -delete
+rm -f "$OUT"/cap2*/*.log "$OUT"/cap2*/*.md "$OUT"/cap2*/telemetry-profile-*-compile.txt
 echo "call5 done"

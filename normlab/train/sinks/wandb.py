@@ -159,8 +159,9 @@ def list_packages_once(util) -> None:
     util.working_set = working_set
 
 
-# W&B Launch's staged job inputs live in this module: wandb.launch.manage_config_file and manage_wandb_config stage
-# them there, and each wandb.init applies them (Run._detect_and_apply_job_inputs) by importing it.
+# W&B Launch's staged job inputs live in this module: wandb.sdk.launch.manage_config_file and manage_wandb_config
+# stage them there (importing it as they are called), and each wandb.init applies them
+# (Run._detect_and_apply_job_inputs) by importing it.
 LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"
 
 

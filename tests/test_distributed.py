@@ -227,3 +227,37 @@ def test_joining_the_group_leaves_cuda_alone_until_the_run_is_on_cuda(monkeypatc
     assert distributed.local_device(torch.device("cpu")) == torch.device("cpu") and devices == []
     assert distributed.local_device(torch.device("cuda")) == torch.device("cuda", 1)
     assert devices == [torch.device("cuda", 1)]
+
+
+RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "SUBMITIT_EXECUTOR", "SLURM_NTASKS")
+SLURM_TASK = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0",
+              "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+
+
+@pytest.mark.parametrize("env, several", [
+    ({}, False),
+    ({"WORLD_SIZE": "1"}, False),
+    ({"WORLD_SIZE": "2"}, True),  # torchrun's
+    ({"SUBMITIT_EXECUTOR": "slurm", "SLURM_NTASKS": "2"}, True),  # a SLURM job's tasks
+    ({"SUBMITIT_EXECUTOR": "slurm", "SLURM_NTASKS": "1"}, False),
+    ({"SUBMITIT_EXECUTOR": "local", "SLURM_NTASKS": "2"}, False),
+    ({"SUBMITIT_EXECUTOR": "slurm", "SLURM_NTASKS": "2", "WORLD_SIZE": "1"}, False),  # told it is one of one
+])
+def test_several_ranks_is_true_exactly_where_init_from_env_joins_a_group(monkeypatch, env, several):
+    """`normlab train` imports normlab.train.distributed (torch) only where ranks.several_ranks() says this process
+    is one of several: there, and only there, init_from_env joins a process group (submitit's exported variables
+    for a SLURM job's tasks included)."""
+    from normlab.train import distributed
+    from normlab.train.ranks import several_ranks
+
+    for key in RANK_VARIABLES:  # absent, and absent again after the test whatever the export sets
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    for key, value in {**SLURM_TASK, **env}.items():
+        monkeypatch.setenv(key, value)
+    joined = []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: bool(joined))
+    monkeypatch.setattr(distributed.dist, "init_process_group", joined.append)
+    assert several_ranks() is several
+    assert distributed.init_from_env() is several and len(joined) == several

@@ -98,19 +98,23 @@ def test_a_cpu_sweeps_launching_process_leaves_torch_to_its_workers(tmp_path):
     no torch: the workers' forkserver imports it while the launching process composes the sweep."""
     code = (
         "import sys\n"
+        "import normlab.launch.app as app\n"
         "from normlab.launch.machine import gpu_impossible, visible_gpus\n"
         "from normlab.launch.prechecks import check_command\n"
         "from normlab.launch.resolvers import register_resolvers\n"
         "from normlab.train.ranks import several_ranks\n"
         "register_resolvers()\n"
         "if not gpu_impossible(): print('gpu'); sys.exit()\n"
-        f"check_command(['seed=0,1', 'model=tiny', 'hydra.sweep.dir={tmp_path}/sweep'], [], True, None)\n"
+        f"overrides = ['seed=0,1', 'model=tiny', 'hydra.sweep.dir={tmp_path}/sweep']\n"
+        "check_command(overrides, [], True, None)\n"
+        "app._hydra_main = lambda command_line: None  # the sweep itself: its jobs import torch\n"
+        "app._train(['-m', *overrides], overrides, [], True, None)  # the ranks' check, Hydra's launcher registered\n"
         "print(visible_gpus(), several_ranks(), 'torch' in sys.modules)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "WORLD_SIZE", "SUBMITIT_EXECUTOR")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     if out.strip() == "gpu":
-        pytest.skip("a machine with a GPU's device files: the launcher asks torch")
+        pytest.skip("a machine that may have a GPU (its device files, or one on the PCI bus): the launcher asks torch")
     assert out.strip() == "[] False False"
 
 

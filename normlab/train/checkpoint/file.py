@@ -222,8 +222,11 @@ class Checkpointer:
     def save(self, state: TrainStateLike, callbacks: Sequence[NamedStateful] = ()) -> Path | None:
         """Write the checkpoint of `state` (`state.step` updates done) and its callbacks atomically;
         return its path (None when not writing)."""
-        if not self.writes:
-            return None
+        return self.write(*self.payload(state, callbacks)) if self.writes else None
+
+    def payload(self, state: TrainStateLike, callbacks: Sequence[NamedStateful] = ()) -> tuple[Path, dict[str, Any]]:
+        """The checkpoint of `state` and its callbacks as `write` takes it, with its path: what they and the RNGs
+        hold now (its tensors are the state's own, not copies)."""
         payload = {
             "format": FORMAT,
             "step": state.step,
@@ -232,7 +235,10 @@ class Checkpointer:
             "rng": capture_rng(),
             **self._identity,
         }
-        path = checkpoint_path(self.run_dir, state.step)
+        return checkpoint_path(self.run_dir, state.step), payload
+
+    def write(self, path: Path, payload: dict[str, Any]) -> Path:
+        """Write a checkpoint made by `payload` atomically, then keep only the newest `ckpt.keep`."""
         write_atomic(path, payload)
         for _, old in list_checkpoints(self.run_dir)[: -self.keep]:
             old.unlink(missing_ok=True)

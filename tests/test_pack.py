@@ -371,3 +371,52 @@ def test_each_member_has_its_own_wandb_run(tmp_path):
     assert runs[0][0].name.split("-")[-1] != runs[1][0].name.split("-")[-1]  # two run ids
     checkpoints = [torch.load(next((tmp_path / f"member{i}" / "checkpoints").glob("*.pt")), weights_only=True) for i in range(2)]
     assert [c["wandb_run_id"] for c in checkpoints] == [r[0].name.split("-")[-1] for r in runs]  # a resume continues each
+
+
+def test_a_packs_final_checkpoints_are_written_by_a_thread_and_land_before_the_members_summaries(tmp_path, monkeypatch):
+    """The members' final checkpoints are taken as the last step ends and written by a thread while the members' ends
+    run; each is on disk before its member's summary.json says it completed."""
+    import threading
+    import time
+
+    import normlab.train.checkpoint.file as file
+
+    cfgs = grid("layer", "pre", lrs=(1e-3, 3e-3), seeds=(0,))
+    for cfg in cfgs:
+        cfg.max_steps, cfg.ckpt.every = 4, 2
+    real, writes = file.write_atomic, []
+
+    def slow_write(path, payload):
+        time.sleep(0.2)
+        real(path, payload)
+        writes.append((path.name, threading.current_thread().name.startswith("pack-checkpoints"),
+                       (path.parents[1] / "summary.json").exists()))
+
+    monkeypatch.setattr(file, "write_atomic", slow_write)
+    summaries = train_pack([(cfg, tmp_path / f"member{i}") for i, cfg in enumerate(cfgs)])
+    assert [s["status"] for s in summaries] == ["completed"] * 2
+    # The periodic checkpoint of step 2 is written in the loop, between steps; the final one by the thread.
+    assert writes == [("step-000002.pt", False, False)] * 2 + [("step-000004.pt", True, False)] * 2
+    for i in range(2):
+        final = torch.load(tmp_path / f"member{i}" / "checkpoints" / "step-000004.pt", weights_only=True)
+        assert final["step"] == 4 and final["state"]["step"] == 4
+
+
+def test_a_final_checkpoint_the_disk_refuses_fails_the_pack(tmp_path, monkeypatch):
+    import errno
+
+    import normlab.train.checkpoint.file as file
+
+    cfgs = grid("layer", "pre", lrs=(1e-3, 3e-3), seeds=(0,))
+    for cfg in cfgs:
+        cfg.max_steps = 2
+
+    def full(path, payload):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file, "write_atomic", full)
+    with pytest.raises(OSError, match="No space left"):
+        train_pack([(cfg, tmp_path / f"member{i}") for i, cfg in enumerate(cfgs)])
+    summaries = [json.loads((tmp_path / f"member{i}" / "summary.json").read_text()) for i in range(2)]
+    assert [s["status"] for s in summaries] == ["failed"] * 2
+    assert all("No space left" in s["error"] for s in summaries)

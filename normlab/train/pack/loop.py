@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 import time
 import logging
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class PackLoop:
         self.bar = progress(self.base.max_steps, f"pack of {pack.size} ({self.base.label})") if self.base.progress else None
         self.start_step = 0
         self.eps_warnings = [EpsWarnings() for _ in members]
+        self.final_writes: list[Future] = []  # the final checkpoints' writes, until finish_saves
 
     def checkpoints(self, layout: OptimizerLayout, generators: dict[int, torch.Generator]) -> None:
         """What saving needs beside the pack: the optimizer's state_dict layout and the data generators by seed."""
@@ -99,8 +101,10 @@ class PackLoop:
         if all(limit is not None for limit in limits):
             self.limit = torch.stack(limits).to(self.device)
 
-    def save(self, step: int) -> None:
-        """Write every member still training a checkpoint of `step`, each into its run dir, as an unpacked run's."""
+    def save(self, step: int, writer: ThreadPoolExecutor | None = None) -> list[Future]:
+        """Write every member still training a checkpoint of `step`, each into its run dir, as an unpacked run's. With
+        `writer`, each checkpoint is taken now and written by it: their futures are returned."""
+        writes = []
         for i, member in enumerate(self.members):
             if not member.active:
                 continue
@@ -109,11 +113,24 @@ class PackLoop:
                         "eval_time": self.eval_time}
             state = member_checkpoint_state(self.pack, self.optimizer, self.layout, i, step=step,
                                             lr=lr_at(step - 1, cfg), generator=self.generators[cfg.seed], counters=counters)
-            member.checkpointer.save(state, [
+            saved = [
                 Saved("divergence_guard", guard_state(cfg.diverge_factor, self.limit, self.first_bad, i)),
                 Saved("throughput", self.clock.state_dict()),
                 Saved("telemetry_products", member.products.state_dict()),
-            ])
+            ]
+            if writer is None:
+                member.checkpointer.save(state, saved)
+            elif member.checkpointer.writes:
+                writes.append(writer.submit(member.checkpointer.write, *member.checkpointer.payload(state, saved)))
+        return writes
+
+    def finish_saves(self, raise_errors: bool = True) -> None:
+        """Wait until the final checkpoints are written; then the first write that failed raises (with raise_errors)."""
+        writes, self.final_writes = self.final_writes, []
+        errors = [write.exception() for write in writes]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None and raise_errors:
+            raise error
 
     def run(self, next_batches) -> None:
         """Train every member from step 0 to max_steps (or until it diverges), emitting its records."""
@@ -150,7 +167,12 @@ class PackLoop:
                 self.bar.on_step_end(clock_state, self._bar_record(records) if logged and records else None)
             self._step_boundary(step + 1)
         self._check_dirs(base.max_steps)
-        self.save(base.max_steps)  # the members that completed (diverged ones keep their last periodic checkpoint)
+        # The members that completed (diverged ones keep their last periodic checkpoint). Nothing changes their state
+        # after this: the checkpoints are written by a thread while the members' ends (heatmaps, reports) run, and
+        # finish_saves waits for them before any summary is written.
+        writer = ThreadPoolExecutor(1, thread_name_prefix="pack-checkpoints")
+        self.final_writes = self.save(base.max_steps, writer)
+        writer.shutdown(wait=False)  # its thread ends when the last write is done
         clock_state.tokens = max(m.tokens for m in self.members)
         self.clock_summary: dict[str, Any] = {}
         self.clock.on_train_end(clock_state, self.clock_summary)

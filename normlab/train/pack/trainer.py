@@ -209,12 +209,18 @@ def _fit_pack(members: list[Member], corpus: Corpus) -> list[dict[str, Any]]:
     if members[0].resumed is not None:
         loop.restore()
     try:
-        loop.run(lambda: _next_batches(cfgs, loaders))
+        try:
+            loop.run(lambda: _next_batches(cfgs, loaders))
+        except BaseException:
+            if loop.bar is not None:
+                loop.bar.on_train_stop(None)  # closed before the line that says why the pack stopped
+            raise
+        results = [loop.result(i, batchnorm, corpus) if member.gone is None else {} for i, member in enumerate(members)]
     except BaseException:
-        if loop.bar is not None:
-            loop.bar.on_train_stop(None)  # closed before the line that says why the pack stopped
+        loop.finish_saves(raise_errors=False)  # the final checkpoints land whole whatever stopped the ends
         raise
-    return [loop.result(i, batchnorm, corpus) if member.gone is None else {} for i, member in enumerate(members)]
+    loop.finish_saves()  # before any member's summary says it completed
+    return results
 
 
 def _next_batches(cfgs: Sequence[RunConfig], loaders) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Time outside training, this checkout against a base commit: a one-step run and a small CPU sweep, interleaved.
 
     python scripts/overhead_bench.py [--base COMMIT] [--repeats 3] [--jobs 8] [--cpu-jobs 2] [--steps 100]
-                                     [--threads N] [--single | --ablation] [OVERRIDE ...]
+                                     [--threads N] [--single | --ablation | --pack21] [OVERRIDE ...]
 
 The two commands of issue 38's item 3, run as real processes (`python -m normlab`, wandb offline as by
 default), alternately with this checkout's normlab and with a `git archive` of `--base` (default: the
@@ -15,8 +15,13 @@ merge base of HEAD and main) extracted to a temporary dir, first on PYTHONPATH:
 With `--ablation` it times instead the shape of issue 38's GPU ablation on the CPU:
   ablation `normlab train -m norm=none,layer,rms,batch placement=pre,post lr=1e-3,3e-3,1e-2 seed=0,1,2 model=tiny
           max_steps=2 pack=true device=cpu hydra.launcher.cpu_jobs=2`: 72 runs in 8 packs, two workers; the seconds
-          from the command's start to the first run's first step (its head, where the GPU sat idle) and from the last
-          run's end to the command's exit (its tail), read from the runs' normlab.log lines.
+          from the command's start to the first run's first step (its head, where the GPU sat idle), from the last
+          step logged to the last run's end (its ends: final checkpoints, heatmaps, reports) and from the last run's
+          end to the command's exit (its tail), read from the runs' normlab.log lines.
+With `--pack21`, the same figures of the GPU acceptance's pack21 stage's shape on the CPU:
+  pack21  `normlab train -m norm=layer placement=pre model=medium max_steps=2 lr=<7 values> seed=0,1,2 pack=true
+          device=cpu batch_size=2 seq_len=32 eval_every=1 eval_batches=1`: one pack of 21 medium members (their
+          checkpoints 1.6 GB in all, as on the GPU), run in the launching process.
 Each command's process CPU time (user + sys of it and all its descendants, from getrusage(RUSAGE_CHILDREN), the
 script being their reaper: see adopt_orphans) is printed beside its wall time: far less sensitive than wall time
 to other work on the machine. Medians over
@@ -51,6 +56,11 @@ ABLATION = ["norm=none,layer,rms,batch", "placement=pre,post", "lr=1e-3,3e-3,1e-
 STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[normlab\]\[INFO\] - "
 FIRST_LINE = re.compile(STAMP + r".*: \S+, \w+, [\d,]+ parameters( each|.*, run dir )")
 LAST_LINE = re.compile(STAMP + r"\S+ \w+: final val loss ")
+STEP_LINE = re.compile(STAMP + r".*: step \d+/\d+ ")  # a logged step's line, a pack's once for all its members
+# The GPU acceptance's pack21 stage (scripts/acceptance_stages.py) on the CPU: the medium preset's 21 members, so their
+# checkpoints are the GPU run's size (1.6 GB in all), at a batch and length that make its two steps quick.
+PACK21 = ["norm=layer", "placement=pre", "model=medium", "max_steps=2", "lr=3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1",
+          "seed=0,1,2", "pack=true", "device=cpu", "batch_size=2", "seq_len=32", "eval_every=1", "eval_batches=1"]
 
 
 def extract(commit: str, into: Path) -> Path:
@@ -157,18 +167,26 @@ def log_times(sweep_dir: Path, pattern: re.Pattern) -> list[float]:
     return [datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp() for stamp in stamps]
 
 
+def grid_of(args) -> tuple[list[str], int]:
+    """The packed grid timed instead of the two commands, and its number of runs."""
+    return (PACK21, 21) if args.pack21 else (ABLATION, 72)
+
+
 def run_ablation(name: str, env: dict[str, str], work: Path, args, results: dict) -> None:
-    """The 72-run grid: its wall and CPU time, its head (start to the first run's first step) and its tail (the last
-    run's end to the exit)."""
-    sweep_dir = work / f"{name}-ablation"
+    """A packed grid (the 72-run ablation, or pack21): its wall and CPU time, its head (start to the first run's first
+    step), its ends (the last step logged to the last run's end: final checkpoints, heatmaps, reports) and its tail
+    (the last run's end to the exit)."""
+    grid, runs = grid_of(args)
+    sweep_dir = work / f"{name}-grid"
     started = time.time()
-    wall, cpu = timed(["train", "-m", *ABLATION, *args.overrides, f"hydra.launcher.cpu_jobs={args.cpu_jobs}",
+    wall, cpu = timed(["train", "-m", *grid, *args.overrides, f"hydra.launcher.cpu_jobs={args.cpu_jobs}",
                        f"hydra.sweep.dir={sweep_dir}"], env, work)
     ended = started + wall
     firsts, lasts = log_times(sweep_dir, FIRST_LINE), log_times(sweep_dir, LAST_LINE)
-    if len(lasts) != 72:
-        raise SystemExit(f"overhead_bench.py: {name}'s ablation: expected 72 runs' last lines, found {len(lasts)}")
-    results[name]["ablation"].append((wall, cpu, min(firsts) - started, ended - max(lasts)))
+    if len(lasts) != runs:
+        raise SystemExit(f"overhead_bench.py: {name}'s grid: expected {runs} runs' last lines, found {len(lasts)}")
+    results[name]["ablation"].append((wall, cpu, min(firsts) - started, max(lasts) - max(log_times(sweep_dir, STEP_LINE)),
+                                      ended - max(lasts)))
     subprocess.run(["rm", "-rf", str(sweep_dir)], check=True)
 
 
@@ -176,13 +194,15 @@ def report_ablation(results: dict, args) -> None:
     med = statistics.median
     print(f"\nmedians over {args.repeats} rounds; load average (1, 5, 15 min) at the end: "
           f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    print(f"ablation grid ({' '.join(ABLATION + args.overrides)} hydra.launcher.cpu_jobs={args.cpu_jobs}): 72 runs; "
-          "head: the command's start to the first run's first step; tail: the last run's end to the exit")
+    grid, runs = grid_of(args)
+    print(f"{'pack21' if args.pack21 else 'ablation'} grid ({' '.join(grid + args.overrides)} hydra.launcher.cpu_jobs="
+          f"{args.cpu_jobs}): {runs} runs; head: the command's start to the first run's first step; ends: the last step "
+          "logged to the last run's end; tail: the last run's end to the exit")
     for name, rows in results.items():
-        walls, cpus, heads, tails = zip(*rows["ablation"])
-        print(f"  {name:<5} {med(walls):6.2f} s wall  {med(cpus):6.2f} s CPU  head {med(heads):6.2f} s  tail "
-              f"{med(tails):5.2f} s   (heads {', '.join(f'{h:.1f}' for h in heads)}; tails "
-              f"{', '.join(f'{t:.1f}' for t in tails)})")
+        walls, cpus, heads, ends, tails = zip(*rows["ablation"])
+        print(f"  {name:<5} {med(walls):6.2f} s wall  {med(cpus):6.2f} s CPU  head {med(heads):6.2f} s  ends "
+              f"{med(ends):5.2f} s  tail {med(tails):5.2f} s   (walls {', '.join(f'{w:.1f}' for w in walls)}; ends "
+              f"{', '.join(f'{e:.1f}' for e in ends)})")
 
 
 def sweep_job(args) -> list[str]:
@@ -228,6 +248,8 @@ def main() -> int:
                         help="time the one-step run alone: no sweep between its runs, whose files and processes leave "
                              "work behind them (the page cache's writes, wandb's services ending) that the next run meets")
     parser.add_argument("--ablation", action="store_true", help="time the 72-run ablation grid's head and tail instead")
+    parser.add_argument("--pack21", action="store_true",
+                        help="time the GPU acceptance's pack of 21 medium members (2 steps, small batches) instead")
     parser.add_argument("overrides", nargs="*", help="normlab overrides added to both commands")
     args = parser.parse_args()
     adopt_orphans()
@@ -246,8 +268,8 @@ def main() -> int:
         for round_ in range(args.repeats):
             print(f"round {round_ + 1}: load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
             for name, env in (envs.items() if round_ % 2 == 0 else reversed(envs.items())):
-                (run_ablation if args.ablation else run_round)(name, env, work, args, results)
-        (report_ablation if args.ablation else report)(results, args)
+                (run_ablation if args.ablation or args.pack21 else run_round)(name, env, work, args, results)
+        (report_ablation if args.ablation or args.pack21 else report)(results, args)
     return 0
 
 

@@ -363,4 +363,7 @@ def test_a_worker_takes_the_launchs_hydra_singletons_but_keeps_its_plugins_and_r
         assert all(Singleton._instances[k] is v for k, v in sent["instances"].items())  # the launch's own
         assert BaseContainer._resolvers.keys() == resolvers.keys()
     finally:
-        Singleton.set_state(saved)
+        # With this process's Plugins: without them set_state scans for plugins again, which runs their modules
+        # again, and Hydra's SourcesRegistry keeps the config sources' earlier classes; a later launch in this
+        # process then cannot pickle its config loader for a worker ("not the same object").
+        Singleton.set_state({**saved, "instances": {**saved["instances"], Plugins: plugins}})

@@ -101,10 +101,10 @@ class PackLoop:
         if all(limit is not None for limit in limits):
             self.limit = torch.stack(limits).to(self.device)
 
-    def save(self, step: int, writer: ThreadPoolExecutor | None = None) -> list[Future]:
+    def save(self, step: int, writer: ThreadPoolExecutor | None = None) -> None:
         """Write every member still training a checkpoint of `step`, each into its run dir, as an unpacked run's. With
-        `writer`, each checkpoint is taken now and written by it: their futures are returned."""
-        writes = []
+        `writer`, each checkpoint is taken now and written by it, its write kept in final_writes as it is handed over
+        (should a later member's checkpoint fail to be taken, finish_saves still waits for the earlier ones)."""
         for i, member in enumerate(self.members):
             if not member.active:
                 continue
@@ -121,8 +121,8 @@ class PackLoop:
             if writer is None:
                 member.checkpointer.save(state, saved)
             elif member.checkpointer.writes:
-                writes.append(writer.submit(member.checkpointer.write, *member.checkpointer.payload(state, saved)))
-        return writes
+                path, payload = member.checkpointer.payload(state, saved)
+                self.final_writes.append(writer.submit(member.checkpointer.write, path, payload))
 
     def finish_saves(self, raise_errors: bool = True) -> None:
         """Wait until the final checkpoints are written; then the first write that failed raises (with raise_errors)."""
@@ -171,8 +171,10 @@ class PackLoop:
         # after this: the checkpoints are written by a thread while the members' ends (heatmaps, reports) run, and
         # finish_saves waits for them before any summary is written.
         writer = ThreadPoolExecutor(1, thread_name_prefix="pack-checkpoints")
-        self.final_writes = self.save(base.max_steps, writer)
-        writer.shutdown(wait=False)  # its thread ends when the last write is done
+        try:
+            self.save(base.max_steps, writer)
+        finally:
+            writer.shutdown(wait=False)  # its thread ends when the last write is done
         clock_state.tokens = max(m.tokens for m in self.members)
         self.clock_summary: dict[str, Any] = {}
         self.clock.on_train_end(clock_state, self.clock_summary)

@@ -1,0 +1,47 @@
+"""A pack's final checkpoints, written by a thread while its members' ends run (normlab.train.pack.loop): what
+a failure on either side leaves on disk and says."""
+
+import json
+import time
+
+import pytest
+
+from conftest import tiny_config
+from normlab.train.pack import train_pack
+
+
+def two_members(tmp_path):
+    cfgs = [tiny_config("layer", "pre", lr=lr, seed=0, max_steps=2, sinks=["jsonl"]) for lr in (1e-3, 3e-3)]
+    return [(cfg, tmp_path / f"member{i}") for i, cfg in enumerate(cfgs)]
+
+
+def test_a_final_checkpoint_taken_is_on_disk_before_the_pack_ends_though_a_later_one_could_not_be_taken(
+        tmp_path, monkeypatch):
+    """The second member's final checkpoint cannot be taken (on a GPU: no memory for its copies) after the first's
+    was handed to the thread: the pack fails, and the first's file is whole on disk before train_pack returns (and
+    lets go of the run dirs' locks)."""
+    import normlab.train.checkpoint.file as file
+
+    real_payload, real_write = file.Checkpointer.payload, file.write_atomic
+    taken = []
+
+    def payload(self, state, callbacks=()):
+        if state.step == 2 and taken:
+            raise MemoryError("no memory for the checkpoint's copies")
+        taken.append(self.run_dir.name)
+        return real_payload(self, state, callbacks)
+
+    def slow_write(path, payload):
+        time.sleep(0.3)
+        real_write(path, payload)
+
+    monkeypatch.setattr(file.Checkpointer, "payload", payload)
+    monkeypatch.setattr(file, "write_atomic", slow_write)
+    with pytest.raises(MemoryError):
+        train_pack(two_members(tmp_path))
+    assert taken == ["member0"]
+    assert (tmp_path / "member0" / "checkpoints" / "step-000002.pt").exists()
+    assert not (tmp_path / "member1" / "checkpoints").exists()
+    statuses = [json.loads((tmp_path / f"member{i}" / "summary.json").read_text())["status"] for i in range(2)]
+    assert statuses == ["failed"] * 2
+

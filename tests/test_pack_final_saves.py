@@ -1,7 +1,9 @@
 """A pack's final checkpoints, written by a thread while its members' ends run (normlab.train.pack.loop): what
 a failure on either side leaves on disk and says."""
 
+import errno
 import json
+import logging
 import time
 
 import pytest
@@ -45,3 +47,28 @@ def test_a_final_checkpoint_taken_is_on_disk_before_the_pack_ends_though_a_later
     statuses = [json.loads((tmp_path / f"member{i}" / "summary.json").read_text())["status"] for i in range(2)]
     assert statuses == ["failed"] * 2
 
+
+def test_a_refused_final_checkpoint_is_said_when_a_members_end_fails_too(tmp_path, monkeypatch, caplog):
+    """The disk refuses the final checkpoints and a member's end (its heatmaps) fails: the end's error fails the pack,
+    and the log says which checkpoint was not written and why."""
+    import normlab.train.checkpoint.file as file
+    from normlab.train.callbacks import TelemetryProducts
+
+    def full(path, payload):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def broken(self):
+        raise RuntimeError("no heatmap")
+
+    monkeypatch.setattr(file, "write_atomic", full)
+    monkeypatch.setattr(TelemetryProducts, "write", broken)
+    caplog.set_level(logging.ERROR, logger="normlab")
+    members = two_members(tmp_path)
+    for cfg, _ in members:
+        cfg.telemetry.every = 1  # records, so heatmaps to make
+    with pytest.raises(RuntimeError, match="no heatmap"):
+        train_pack(members)
+    assert [json.loads((tmp_path / f"member{i}" / "summary.json").read_text())["error"] for i in range(2)] == \
+        ["RuntimeError: no heatmap"] * 2
+    said = [r.getMessage() for r in caplog.records if "step-000002.pt" in r.getMessage()]
+    assert len(said) == 2 and all("No space left on device" in line for line in said), said

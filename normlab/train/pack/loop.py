@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import time
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,6 +31,7 @@ from normlab.train.preempt import Preempted
 from normlab.train.probe_norms import EpsWarnings
 from normlab.train.runtime import autocast
 from normlab.train.sinks import RunDir, RunDirGone, Sink
+from normlab.util.errors import one_line
 
 log = logging.getLogger("normlab")
 
@@ -77,7 +79,7 @@ class PackLoop:
         self.bar = progress(self.base.max_steps, f"pack of {pack.size} ({self.base.label})") if self.base.progress else None
         self.start_step = 0
         self.eps_warnings = [EpsWarnings() for _ in members]
-        self.final_writes: list[Future] = []  # the final checkpoints' writes, until finish_saves
+        self.final_writes: list[tuple[Path, Future]] = []  # the final checkpoints' paths and writes, until finish_saves
 
     def checkpoints(self, layout: OptimizerLayout, generators: dict[int, torch.Generator]) -> None:
         """What saving needs beside the pack: the optimizer's state_dict layout and the data generators by seed."""
@@ -122,15 +124,17 @@ class PackLoop:
                 member.checkpointer.save(state, saved)
             elif member.checkpointer.writes:
                 path, payload = member.checkpointer.payload(state, saved)
-                self.final_writes.append(writer.submit(member.checkpointer.write, path, payload))
+                self.final_writes.append((path, writer.submit(member.checkpointer.write, path, payload)))
 
     def finish_saves(self, raise_errors: bool = True) -> None:
-        """Wait until the final checkpoints are written; then the first write that failed raises (with raise_errors)."""
+        """Wait until the final checkpoints are written; then the first write that failed raises (with raise_errors).
+        Without, every write that failed is said on the log: another error stops the pack, and is the one recorded."""
         writes, self.final_writes = self.final_writes, []
-        errors = [write.exception() for write in writes]
-        error = next((e for e in errors if e is not None), None)
-        if error is not None and raise_errors:
-            raise error
+        failed = [(path, error) for path, write in writes if (error := write.exception()) is not None]
+        if failed and raise_errors:
+            raise failed[0][1]
+        for path, error in failed:
+            log.error("%s: not written: %s: %s", path, type(error).__name__, one_line(error))
 
     def run(self, next_batches) -> None:
         """Train every member from step 0 to max_steps (or until it diverges), emitting its records."""

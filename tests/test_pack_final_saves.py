@@ -1,5 +1,5 @@
 """A pack's final checkpoints, written by a thread while its members' ends run (normlab.train.pack.loop): what
-a failure on either side leaves on disk and says."""
+a failure on either side leaves on disk and says, and what the pack's clock counts."""
 
 import errno
 import json
@@ -72,3 +72,27 @@ def test_a_refused_final_checkpoint_is_said_when_a_members_end_fails_too(tmp_pat
         ["RuntimeError: no heatmap"] * 2
     said = [r.getMessage() for r in caplog.records if "step-000002.pt" in r.getMessage()]
     assert len(said) == 2 and all("No space left on device" in line for line in said), said
+
+
+def test_the_clocks_figures_are_taken_before_the_final_checkpoints(tmp_path, monkeypatch):
+    """The throughput clock's end (on CUDA: the peak memory the run allocated) comes before the final checkpoints are
+    taken, as an unpacked run's clock ends before its Checkpointing: not after every member's copies, which a pack
+    holds at once until the thread has written them (three times the pack's parameters in all)."""
+    import normlab.train.checkpoint.file as file
+    from normlab.train.callbacks import ThroughputClock
+
+    real_payload, real_end = file.Checkpointer.payload, ThroughputClock.on_train_end
+    finals, seen = [], []
+
+    def payload(self, state, callbacks=()):
+        finals.append(state.step == 2)
+        return real_payload(self, state, callbacks)
+
+    def end(self, state, summary):
+        seen.append(sum(finals))
+        real_end(self, state, summary)
+
+    monkeypatch.setattr(file.Checkpointer, "payload", payload)
+    monkeypatch.setattr(ThroughputClock, "on_train_end", end)
+    train_pack(two_members(tmp_path))
+    assert seen == [0] and sum(finals) == 2

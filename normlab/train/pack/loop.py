@@ -171,6 +171,11 @@ class PackLoop:
                 self.bar.on_step_end(clock_state, self._bar_record(records) if logged and records else None)
             self._step_boundary(step + 1)
         self._check_dirs(base.max_steps)
+        clock_state.tokens = max(m.tokens for m in self.members)
+        self.clock_summary: dict[str, Any] = {}
+        # Before the final checkpoints are taken, as an unpacked run's clock ends before its Checkpointing: on CUDA its
+        # peak memory is the training's, not that plus every member's copies held until the thread has written them.
+        self.clock.on_train_end(clock_state, self.clock_summary)
         # The members that completed (diverged ones keep their last periodic checkpoint). Nothing changes their state
         # after this: the checkpoints are written by a thread while the members' ends (heatmaps, reports) run, and
         # finish_saves waits for them before any summary is written.
@@ -179,9 +184,6 @@ class PackLoop:
             self.save(base.max_steps, writer)
         finally:
             writer.shutdown(wait=False)  # its thread ends when the last write is done
-        clock_state.tokens = max(m.tokens for m in self.members)
-        self.clock_summary: dict[str, Any] = {}
-        self.clock.on_train_end(clock_state, self.clock_summary)
         if self.bar is not None:
             self.bar.on_train_end(clock_state, {})
 

@@ -10,7 +10,8 @@ DIR/telemetry-profile-<shape>-<eager|compile>.txt: per step the CUDA kernels lau
 (nested ones counted), the kernels' total time, the CPU time the profiler saw (self time summed) and the step's
 wall time; then the telemetry step's table by self device time, and on CUDA a second by self CPU time (the host's
 time: aten ops and CUDA's runtime calls, launches, allocations and synchronizations); on the CPU (`--cpu` or without
-CUDA, where it runs fp32) one table by self CPU time.
+CUDA, where it runs fp32) one table by self CPU time. Last, what the telemetry step runs more than the plain step,
+event by event (calls, self CPU and device time added), most calls first.
 """
 
 from __future__ import annotations
@@ -71,6 +72,22 @@ def step_figures(profile: torch.profiler.profile, wall: float) -> dict[str, floa
             "cpu_ms": sum(e.self_cpu_time_total for e in events) / 1e3, "wall_ms": 1e3 * wall}
 
 
+def added_events(plain, telemetry, rows: int = 30) -> list[str]:
+    """The events (aten ops, kernels, CUDA runtime calls) the telemetry step has more of than the plain step, most
+    calls first: where its added host and device time go, op by op."""
+    before = {e.key: e for e in plain}
+    added = []
+    for e in telemetry:
+        b = before.get(e.key)
+        calls = e.count - (b.count if b else 0)
+        cpu = (e.self_cpu_time_total - (b.self_cpu_time_total if b else 0)) / 1e3
+        device = (e.self_device_time_total - (b.self_device_time_total if b else 0)) / 1e3
+        if calls > 0 or cpu > 0.05:
+            added.append((calls, cpu, device, e.key))
+    added.sort(key=lambda row: (-row[0], -row[1]))
+    return [f"{calls:+7d} calls  {cpu:+8.3f} CPU  {device:+8.3f} device  {key[:90]}" for calls, cpu, device, key in added[:rows]]
+
+
 def profile_telemetry_step(shape: str, compiled: bool, precision: str, device: torch.device) -> tuple[dict, str]:
     """The figures of the plain and the telemetry step ({'plain': ..., 'telemetry': ...}) and the report's text."""
     import bench
@@ -95,6 +112,8 @@ def profile_telemetry_step(shape: str, compiled: bool, precision: str, device: t
                      f"  CPU time seen {f['cpu_ms']:8.3f} ms  wall {f['wall_ms']:8.3f} ms")
     events = profiler.profiles[TELEMETRY][0].key_averages()
     lines += ["", f"telemetry step, by {sort}:", events.table(sort_by=sort, row_limit=40)]
+    lines += ["", "what the telemetry step runs more than the plain step (calls; CPU and device self time, ms):",
+              *added_events(profiler.profiles[PLAIN][0].key_averages(), events)]
     if device.type == "cuda":  # where the host's time goes: aten ops and CUDA's runtime calls (launches, mallocs, syncs)
         lines += ["", "telemetry step, by self_cpu_time_total:", events.table(sort_by="self_cpu_time_total", row_limit=40)]
     return figures, "\n".join(lines)

@@ -35,7 +35,7 @@ of one job is no pack: it runs as an unpacked job. Packs are the units: on the C
 process one after another (with cpu_jobs > 1, in workers); on a GPU machine each pack, like each
 unpacked job, takes one worker slot. Which jobs pack is decided before any job runs, by composing each
 job's config as it will run (normlab.config.packing.pack_groups). Imports stay light: torch is imported only
-to count GPUs, in the workers, and for a sweep with pack=true.
+to count GPUs where one may be (normlab.launch.machine.visible_gpus), in the workers, and for a sweep with pack=true.
 """
 
 from __future__ import annotations

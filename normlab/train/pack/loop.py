@@ -6,10 +6,10 @@ A Member is one run of the pack: its config, run dir, sinks, counters and how it
 from __future__ import annotations
 
 import contextlib
-import math
-from concurrent.futures import Future, ThreadPoolExecutor
-import time
 import logging
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace

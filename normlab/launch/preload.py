@@ -18,7 +18,6 @@ except ImportError:
     pass
 
 import torch  # noqa: F401  (seconds)
-import torch._dynamo  # noqa: F401  (a second: the optimizer's first step imports it)
 
 import normlab.analysis.heatmap  # noqa: F401  (matplotlib, for the end-of-run heatmaps)
 import normlab.launch.task  # noqa: F401

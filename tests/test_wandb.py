@@ -244,3 +244,38 @@ def test_a_run_looks_for_staged_launch_inputs_only_where_they_can_have_been_stag
     train(_cfg(), tmp_path / "unstaged")
     # The sink's run did not look: wandb's own look would import the module again (its inputs are a new, empty set).
     assert len(applied) == 1 and LAUNCH_INPUTS not in sys.modules
+
+
+def test_a_runs_tables_import_no_pandas_yet_a_dataframe_is_still_one(tmp_path, no_user_wandb_settings):
+    """wandb.Table checks whether its data is a pandas DataFrame, importing pandas to do so: a run's tables (lists of
+    rows) are logged without importing it, as before; a DataFrame, which only an imported pandas makes, is still
+    seen as one."""
+    import subprocess
+    import sys
+
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import sys, wandb\n"
+         "from normlab.train.sinks.wandb import check_dataframes_only_with_pandas\n"
+         "check_dataframes_only_with_pandas(wandb.util)\n"
+         f"run = wandb.init(mode='offline', dir={str(tmp_path)!r}, settings=wandb.Settings(silent=True))\n"
+         "run.log({'t': wandb.Table(columns=['a', 'b'], data=[[1, 2.5], [3, 4.5]])})\n"
+         "run.finish()\n"
+         "print('pandas' in sys.modules)"],
+        capture_output=True, text=True, check=True, env={**os.environ, "WANDB_MODE": "offline"})
+    assert fresh.stdout.strip().splitlines()[-1] == "False"
+    logged = next(tmp_path.glob("wandb/offline-run-*/files/media/table/t_0_*.table.json"))
+    assert json.loads(logged.read_text())["data"] == [[1, 2.5], [3, 4.5]]
+
+    import pandas as pd
+
+    from normlab.train.sinks.wandb import check_dataframes_only_with_pandas
+
+    train(_cfg(), tmp_path / "run")  # the sink checks as wandb does once pandas is imported
+    checked = wandb.util.is_pandas_data_frame
+    assert checked.pandas_imported_first
+    check_dataframes_only_with_pandas(wandb.util)  # a later run's: not wrapped twice
+    assert wandb.util.is_pandas_data_frame is checked
+    assert wandb.util.is_pandas_data_frame(pd.DataFrame({"a": [1]}))
+    assert not wandb.util.is_pandas_data_frame([[1]])
+    table = wandb.Table(dataframe=None, data=pd.DataFrame({"a": [1, 2]}))
+    assert table.columns == ["a"] and table.data == [[1], [2]]

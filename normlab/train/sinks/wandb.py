@@ -52,6 +52,7 @@ class WandbSink(Sink):
         self._layers = wandb_cfg.layers
         list_packages_once(wandb.util)
         apply_launch_inputs_when_staged(wandb.Run)
+        check_dataframes_only_with_pandas(wandb.util)
         user = user_wandb_settings()
         given = user.model_fields_set
         kwargs = dict(
@@ -180,6 +181,23 @@ def apply_launch_inputs_when_staged(run_class) -> None:
 
     detect_and_apply_job_inputs.when_staged = True
     run_class._detect_and_apply_job_inputs = detect_and_apply_job_inputs
+
+
+def check_dataframes_only_with_pandas(util) -> None:
+    """wandb.Table asks `util.is_pandas_data_frame` whether its data (normlab's: a list of rows) is a pandas DataFrame;
+    to answer, wandb imports pandas wherever it is installed: 0.3 s of a process's first table, for a check whose
+    answer is no unless pandas is imported already (a DataFrame is an object of an imported pandas). So where pandas
+    is unimported the answer is no at once; where it is, wandb checks as before. Nothing is changed where wandb has
+    no such function."""
+    check = getattr(util, "is_pandas_data_frame", None)
+    if check is None or getattr(check, "pandas_imported_first", False):
+        return
+
+    def is_pandas_data_frame(obj) -> bool:
+        return "pandas" in sys.modules and check(obj)
+
+    is_pandas_data_frame.pandas_imported_first = True
+    util.is_pandas_data_frame = is_pandas_data_frame
 
 
 def user_wandb_settings():

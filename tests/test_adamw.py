@@ -161,3 +161,19 @@ def test_a_deterministic_run_then_a_plain_one_turn_torchs_and_inductors_settings
     assert torch.are_deterministic_algorithms_enabled() and inductor.deterministic
     runtime.configure_determinism(False)
     assert not torch.are_deterministic_algorithms_enabled() and not inductor.deterministic
+
+
+def test_a_wrapped_call_made_after_dynamo_is_imported_is_disabled_by_torchs_own_wrapper(monkeypatch):
+    def update(x):
+        return x + 1
+
+    inner = torch._disable_dynamo(update)
+    dynamo = sys.modules["torch._dynamo"]
+    monkeypatch.delitem(sys.modules, "torch._dynamo")
+    adamw._run_directly_until_dynamo(inner)
+    assert inner(1) == 2 and update.__dynamo_disable.__name__ == "until_dynamo"
+    monkeypatch.setitem(sys.modules, "torch._dynamo", dynamo)
+    disabled = []
+    monkeypatch.setattr(dynamo, "disable", lambda fn, *args, **kwargs: disabled.append(fn) or fn)
+    assert inner(2) == 3 and disabled == [update]  # torch's wrapper made the disabled form, and keeps it
+    assert inner(3) == 4 and disabled == [update] and update.__dynamo_disable is update

@@ -31,7 +31,7 @@ def _disable_dynamo_inner_code():
     if wrapper is None:
         return None
     code = getattr(wrapper(lambda: None), "__code__", None)
-    if code is None or "__dynamo_disable" not in code.co_names or not {"fn", "recursive"} <= set(code.co_freevars):
+    if code is None or "__dynamo_disable" not in code.co_names or "fn" not in code.co_freevars:
         return None
     return code
 
@@ -59,17 +59,15 @@ def _disabled_inners(obj: Any, depth: int = 0) -> list[Callable]:
 
 def _run_directly_until_dynamo(inner: Callable) -> None:
     """Let `inner` (a torch._disable_dynamo wrapper) call its function directly while torch._dynamo is
-    unimported, and disable it for tracing at the first call after."""
-    free = inspect.getclosurevars(inner).nonlocals
-    fn, recursive = free["fn"], free["recursive"]
+    unimported; at its first call after, it makes the function's disabled form itself, as at a first call."""
+    fn = inspect.getclosurevars(inner).nonlocals["fn"]
     if getattr(fn, "__dynamo_disable", None) is not None:
         return  # torch made (or we gave) it its disabled form already
 
     def until_dynamo(*args, **kwargs):
         if DYNAMO in sys.modules:
-            disabled = sys.modules[DYNAMO].disable(fn, recursive, wrapping=False)
-            fn.__dynamo_disable = disabled
-            return disabled(*args, **kwargs)
+            fn.__dynamo_disable = None
+            return inner(*args, **kwargs)
         return fn(*args, **kwargs)
 
     fn.__dynamo_disable = until_dynamo

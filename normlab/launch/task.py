@@ -218,8 +218,8 @@ def _answered(hydra_context, sweep_config: DictConfig, task_cfg: DictConfig, val
 def settle_garbage() -> None:
     """Before a sweep's job: collect what the jobs before it left; before the process's first job and its second,
     also exempt everything then alive from later collections. A sweep's process holds some 370k objects of
-    torch and Hydra before its first job and as many more of what that job imported (torch._dynamo, wandb,
-    matplotlib), and each job allocates enough to set off about one full collection, which walks them all
+    torch and Hydra before its first job and more of what that job imported (wandb, matplotlib, and torch._dynamo
+    where it compiled), and each job allocates enough to set off about one full collection, which walks them all
     (0.4 s on a 2-core CPU; 0.17 s for the first job's imports alone); frozen, they are walked no more, neither
     by the collections nor at the process's exit. Frozen twice, not at every job, so what a job leaves is still
     collected and the frozen set does not grow with the sweep; normlab's launcher unfreezes it when the sweep

@@ -3,7 +3,7 @@ before CUDA starts.
 
 A GPU slot's worker is a fresh interpreter (spawned: CUDA state is never forked). A CPU slot's worker is forked
 from multiprocessing's forkserver, which imports what every job imports (normlab.launch.preload: torch,
-torch._dynamo, normlab's training stack, matplotlib, wandb; 3.5 s of one core) once for all the workers, where
+normlab's training stack, matplotlib, wandb; 1.9 s of one core) once for all the workers, where
 each spawned worker imported it again: on a CPU the workers share the cores with the launching process, so
 each import run once is CPU the jobs get back. A CPU sweep asking for more than one job at once
 (`hydra.launcher.cpu_jobs=N` on the command line) starts the forkserver as the command starts (start_early), so
@@ -132,8 +132,8 @@ def in_unit(fn, *args):
 
 def warm_up() -> None:
     """A started worker's first task: import what every job imports (a forked worker has them from its forkserver),
-    without touching CUDA (whose start must see the launch's MPS environment): not torch._dynamo, which a job imports
-    at its first optimizer step, nor matplotlib, which its end imports, whose imports were never checked on a GPU
+    without touching CUDA (whose start must see the launch's MPS environment): not torch._dynamo, which only a job that
+    compiles imports (normlab.train.adamw), nor matplotlib, which its end imports, whose imports were never checked on a GPU
     machine for that."""
     import torch  # noqa: F401  (heavy: seconds; the reason for warming up)
 

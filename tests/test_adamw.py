@@ -92,11 +92,32 @@ def test_without_dynamo_the_step_runs_the_update_alone_and_takes_the_same_values
     dynamo = sys.modules["torch._dynamo"]
     monkeypatch.delitem(sys.modules, "torch._dynamo")  # as in a process that never imported it
     ours, opt = _steps(AdamW)
+    assert "torch._dynamo" not in sys.modules  # nothing imported it again: the update ran without torch's wrapper
     monkeypatch.setitem(sys.modules, "torch._dynamo", dynamo)
     assert breaks == []
     assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
     assert all(not p.requires_grad or p.grad is not None for p in ours.parameters())
     assert opt.state_dict()["state"][0]["step"].item() == 3
+
+
+def _differentiable_step_grads(make):
+    """The gradients, with respect to the weights before one differentiable update, of a function of the weights
+    after it."""
+    draw = torch.Generator().manual_seed(2)  # not torch.manual_seed: torch._dynamo wraps it, imported on first call
+    before = [torch.randn(3, 2, generator=draw).requires_grad_(), torch.randn(2, generator=draw).requires_grad_()]
+    weights = [w.clone() for w in before]  # not leaves: the update is recorded on them
+    for w in weights:
+        w.grad = torch.randn(w.shape, generator=draw)
+    make(weights, lr=0.1, weight_decay=0.1, differentiable=True).step()
+    return torch.autograd.grad(sum(w.square().sum() for w in weights), before)
+
+
+def test_without_dynamo_a_differentiable_step_is_recorded_by_autograd_as_torchs_is(monkeypatch):
+    theirs = _differentiable_step_grads(torch.optim.AdamW)
+    monkeypatch.delitem(sys.modules, "torch._dynamo")  # as in a process that never imported it
+    ours = _differentiable_step_grads(AdamW)
+    assert "torch._dynamo" not in sys.modules  # the update ran without torch's wrapper, which imports it
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 def test_step_hooks_run_once_a_step_even_where_torchs_adamw_was_hooked_first():

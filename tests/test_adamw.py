@@ -120,8 +120,14 @@ def test_without_dynamo_a_differentiable_step_is_recorded_by_autograd_as_torchs_
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
-def test_step_hooks_run_once_a_step_even_where_torchs_adamw_was_hooked_first():
+def test_step_hooks_run_once_a_step_even_where_torchs_adamw_was_hooked_first(monkeypatch):
     torch.optim.AdamW(_model().parameters())  # torch wraps AdamW.step in its profiling hook
+    assert torch.optim.AdamW.step.hooked
+    # as normlab.train.adamw finds torch's step where it is imported after that
+    step, plain = adamw._unhooked_steps()
+    assert step.__code__.co_name == "_use_grad" and plain.__qualname__ == "Adam.step"
+    monkeypatch.setattr(adamw, "_STEP", step)
+    monkeypatch.setattr(adamw, "_PLAIN_STEP", plain)
     seen = []
     model = _model()
     opt = AdamW(model.parameters(), lr=1e-3)

@@ -1,13 +1,14 @@
 """normlab's optimizer: torch.optim.AdamW, whose calls leave torch._dynamo unimported where nothing compiles.
 
 torch wraps the optimizer's calls for torch.compile: the step in `_use_grad`, which imports torch._dynamo to
-mark graph breaks around the update, and the constructor, zero_grad, state_dict, load_state_dict and the update
-function in `torch._disable_dynamo`, which imports it to exempt them from tracing. Outside torch.compile's
-tracing both do nothing, yet the import costs a second of one core: a fifth of a one-step run on the CPU, and
-of a CPU sweep's forkserver start. Nothing can be traced before torch._dynamo is imported, so until it is
-(a run with compile=true, or anything else importing it), these calls run the wrapped function directly;
-from then on, torch's own wrappers. The update is the same either way (tests/test_adamw.py): only what runs
-around it differs.
+mark graph breaks around the update, and add_param_group (which the constructor calls), zero_grad, state_dict
+and load_state_dict in `torch._disable_dynamo`, which imports it at their first call to exempt them from
+tracing (the update function has a `torch._disable_dynamo` form too, but calls it only while compiling).
+Outside torch.compile's tracing both do nothing, yet the import costs a second of one core: a fifth of a
+one-step run on the CPU, and of a CPU sweep's forkserver start. Nothing can be traced before torch._dynamo is
+imported, so until it is (a run with compile=true, or anything else importing it), these calls run the wrapped
+function directly; from then on, torch's own wrappers. The update is the same either way (tests/test_adamw.py):
+only what runs around it differs.
 
 Where torch's wrappers are not shaped as in torch 2.11 to 2.13, nothing is changed, and the import happens at
 the first call as before.
@@ -75,8 +76,8 @@ def _run_directly_until_dynamo(inner: Callable) -> None:
 
 def defer_dynamo_import() -> None:
     """The optimizer's torch._disable_dynamo-wrapped calls (AdamW's and Optimizer's methods, the update
-    function) run directly until torch._dynamo is imported. Process-wide: so for every torch optimizer of
-    these classes, which are traced the same either way."""
+    function) run directly until torch._dynamo is imported. Process-wide: Optimizer's methods are every torch
+    optimizer's (SGD's too), and are traced the same either way."""
     import torch.optim.adam as adam
     import torch.optim.adamw as adamw
 

@@ -204,3 +204,9 @@ def test_a_wrapped_call_made_after_dynamo_is_imported_is_disabled_by_torchs_own_
     monkeypatch.setattr(dynamo, "disable", lambda fn, *args, **kwargs: disabled.append(fn) or fn)
     assert inner(2) == 3 and disabled == [update]  # torch's wrapper made the disabled form, and keeps it
     assert inner(3) == 4 and disabled == [update] and update.__dynamo_disable is update
+
+
+def test_it_takes_torchs_arguments_positionally_too():
+    model = _model()
+    opt = AdamW(model.parameters(), 0.02, (0.8, 0.9))
+    assert opt.defaults["lr"] == 0.02 and opt.defaults["betas"] == (0.8, 0.9)

@@ -109,9 +109,9 @@ class AdamW(torch.optim.AdamW):
     """torch.optim.AdamW; its calls import torch._dynamo only where it is imported already (see the module's
     docstring). Checkpoints hold the same state_dict."""
 
-    def __init__(self, params, **kwargs) -> None:
+    def __init__(self, params, *args, **kwargs) -> None:
         defer_dynamo_import()
-        super().__init__(params, **kwargs)
+        super().__init__(params, *args, **kwargs)
 
     def step(self, closure=None):
         """torch.optim.AdamW.step. Torch's wrapper runs the update with gradients off (on for a differentiable

@@ -10,8 +10,8 @@ imported, so until it is (a run with compile=true, or anything else importing it
 function directly; from then on, torch's own wrappers. The update is the same either way (tests/test_adamw.py):
 only what runs around it differs.
 
-Where torch's wrappers are not shaped as in torch 2.11 to 2.13, nothing is changed, and the import happens at
-the first call as before.
+Where torch's wrappers are not shaped as in torch 2.13 (the version checked here; the GPU machine runs 2.11),
+nothing is changed, and the import happens at the first call as before.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ DYNAMO = "torch._dynamo"
 
 def _disable_dynamo_inner_code():
     """The code of the function torch._disable_dynamo wraps a function in, if it caches the disabled function
-    on the wrapped one's `__dynamo_disable` as torch 2.11-2.13's does; else None."""
+    on the wrapped one's `__dynamo_disable` as torch 2.13's does; else None."""
     wrapper = getattr(torch, "_disable_dynamo", None)
     if wrapper is None:
         return None
@@ -92,7 +92,7 @@ def defer_dynamo_import() -> None:
 def _unhooked_steps() -> tuple[Callable, Optional[Callable]]:
     """AdamW's step as torch wraps it (`_use_grad`) without the profiling hook torch may have put around it
     (Optimizer._patch_step_function, whose hook normlab's AdamW gets of its own), and the update as written
-    inside that wrapper: None where the wrapper is not shaped as in torch 2.11-2.13."""
+    inside that wrapper: None where the wrapper is not shaped as in torch 2.13."""
     step = next(vars(k)["step"] for k in torch.optim.AdamW.__mro__ if "step" in vars(k))
     while getattr(step, "hooked", False):
         step = step.__wrapped__

@@ -185,7 +185,8 @@ def run_ablation(name: str, env: dict[str, str], work: Path, args, results: dict
     firsts, lasts = log_times(sweep_dir, FIRST_LINE), log_times(sweep_dir, LAST_LINE)
     if len(lasts) != runs:
         raise SystemExit(f"overhead_bench.py: {name}'s grid: expected {runs} runs' last lines, found {len(lasts)}")
-    results[name]["ablation"].append((wall, cpu, min(firsts) - started, max(lasts) - max(log_times(sweep_dir, STEP_LINE)),
+    steps = log_times(sweep_dir, STEP_LINE)  # none where packs ran side by side: the launcher turns their progress off
+    results[name]["ablation"].append((wall, cpu, min(firsts) - started, max(lasts) - max(steps) if steps else None,
                                       ended - max(lasts)))
     subprocess.run(["rm", "-rf", str(sweep_dir)], check=True)
 
@@ -200,9 +201,10 @@ def report_ablation(results: dict, args) -> None:
           "logged to the last run's end; tail: the last run's end to the exit")
     for name, rows in results.items():
         walls, cpus, heads, ends, tails = zip(*rows["ablation"])
+        end = "  n/a" if None in ends else f"{med(ends):5.2f}"
         print(f"  {name:<5} {med(walls):6.2f} s wall  {med(cpus):6.2f} s CPU  head {med(heads):6.2f} s  ends "
-              f"{med(ends):5.2f} s  tail {med(tails):5.2f} s   (walls {', '.join(f'{w:.1f}' for w in walls)}; ends "
-              f"{', '.join(f'{e:.1f}' for e in ends)})")
+              f"{end} s  tail {med(tails):5.2f} s   (walls {', '.join(f'{w:.1f}' for w in walls)}; ends "
+              f"{', '.join('n/a' if e is None else f'{e:.1f}' for e in ends)})")
 
 
 def sweep_job(args) -> list[str]:

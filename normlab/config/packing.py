@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Sequence
 
+from normlab.config.errors import ConfigError
 from normlab.config.parse import flatten_config
 from normlab.config.schema import RunConfig, bookkeeping_keys
 
@@ -34,3 +36,33 @@ def pack_groups(cfgs: Sequence[RunConfig | None]) -> list[list[int]]:
     for i, cfg in enumerate(cfgs):
         groups.setdefault("pack " + pack_key(cfg) if packed[i] else f"job {i}", []).append(i)
     return sorted(groups.values())
+
+
+TORCHRUN_REFUSED = "pack=true under torchrun: a pack trains in one process; run it without torchrun, or pack=false for DDP"
+FP16_REFUSED = ("pack=true with precision=fp16: one GradScaler would skip every member's step when one member "
+                "overflows; use precision=bf16 or fp32, or pack=false")
+
+
+def check_packable(cfgs: Sequence[RunConfig]) -> None:
+    """Raise ConfigError (one line) unless `cfgs` can train as one exact pack as far as their configs and the
+    environment say: the same settings but for PACKABLE_KEYS, eager, not under torchrun, not precision=fp16. What
+    the device decides (precision=auto is fp16 on a CUDA device without bf16) normlab.train.pack.check_pack adds."""
+    if not cfgs:
+        raise ConfigError("pack=true: a pack needs at least one run")
+    first = shared_settings(cfgs[0])
+    for cfg in cfgs[1:]:
+        other = shared_settings(cfg)
+        differ = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
+        if differ:
+            key = differ[0]
+            raise ConfigError(
+                f"pack=true: runs {cfgs[0].run_name} and {cfg.run_name} differ in {key} ({first.get(key)!r} and "
+                f"{other.get(key)!r}): the runs of a pack may differ only in {', '.join(PACKABLE_KEYS)}"
+            )
+    cfg = cfgs[0]
+    if cfg.compile:
+        raise ConfigError("pack=true with compile=true: a pack trains eager; set compile=false, or pack=false to compile each run")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(TORCHRUN_REFUSED)
+    if cfg.precision == "fp16":
+        raise ConfigError(FP16_REFUSED)

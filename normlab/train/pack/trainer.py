@@ -17,7 +17,7 @@ import torch
 import normlab.train.distributed as distributed
 import normlab.train.preempt as preempt
 from normlab.config import ConfigError, RunConfig
-from normlab.config.packing import PACKABLE_KEYS, shared_settings
+from normlab.config.packing import FP16_REFUSED, TORCHRUN_REFUSED, check_packable
 from normlab.data import Corpus, load_corpus
 from normlab.nn.flops import model_flops_per_token, peak_flops
 from normlab.nn.model import GPT
@@ -41,33 +41,17 @@ log = logging.getLogger("normlab")
 
 
 def check_pack(cfgs: Sequence[RunConfig]) -> None:
-    """Raise ConfigError (one line) unless `cfgs` can train as one exact pack."""
-    if not cfgs:
-        raise ConfigError("pack=true: a pack needs at least one run")
-    first = shared_settings(cfgs[0])
-    for cfg in cfgs[1:]:
-        other = shared_settings(cfg)
-        differ = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
-        if differ:
-            key = differ[0]
-            raise ConfigError(
-                f"pack=true: runs {cfgs[0].run_name} and {cfg.run_name} differ in {key} ({first.get(key)!r} and "
-                f"{other.get(key)!r}): the runs of a pack may differ only in {', '.join(PACKABLE_KEYS)}"
-            )
-    cfg = cfgs[0]
-    if cfg.compile:
-        raise ConfigError("pack=true with compile=true: a pack trains eager; set compile=false, or pack=false to compile each run")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or distributed.is_active():
-        raise ConfigError("pack=true under torchrun: a pack trains in one process; run it without torchrun, or pack=false for DDP")
+    """Raise ConfigError (one line) unless `cfgs` can train as one exact pack: their configs (check_packable), this
+    process's ranks, and the precision their device resolves."""
+    check_packable(cfgs)
+    if distributed.is_active():
+        raise ConfigError(TORCHRUN_REFUSED)
     try:
-        device = resolve_device(cfg.device)
+        device = resolve_device(cfgs[0].device)
     except RuntimeError:  # device=cuda without one: training says so; fp16 cannot be the precision then
         device = torch.device("cpu")
-    if resolve_precision(cfg.precision, device) == "fp16":
-        raise ConfigError(
-            "pack=true with precision=fp16: one GradScaler would skip every member's step when one member "
-            "overflows; use precision=bf16 or fp32, or pack=false"
-        )
+    if resolve_precision(cfgs[0].precision, device) == "fp16":
+        raise ConfigError(FP16_REFUSED)
 
 
 def train_pack(members: Sequence[tuple[RunConfig, str | os.PathLike]]) -> list[dict[str, Any] | RunDirGone]:

@@ -93,9 +93,10 @@ def test_a_gpu_whose_device_files_are_not_made_yet_is_left_to_torch(monkeypatch,
     assert not machine.gpu_impossible()
 
 
-def test_a_cpu_sweeps_launching_process_leaves_torch_to_its_workers(tmp_path):
-    """On a machine without a GPU, the checks before Hydra starts, the launcher's slots and the ranks' check import
-    no torch: the workers' forkserver imports it while the launching process composes the sweep."""
+@pytest.mark.parametrize("pack", [[], ["pack=true"]], ids=["plain", "packed"])
+def test_a_cpu_sweeps_launching_process_leaves_torch_to_its_workers(tmp_path, pack):
+    """On a machine without a GPU, the checks before Hydra starts (a pack's too), the launcher's slots and the ranks'
+    check import no torch: the workers' forkserver imports it while the launching process composes the sweep."""
     code = (
         "import sys\n"
         "import normlab.launch.app as app\n"
@@ -105,7 +106,7 @@ def test_a_cpu_sweeps_launching_process_leaves_torch_to_its_workers(tmp_path):
         "from normlab.train.ranks import several_ranks\n"
         "register_resolvers()\n"
         "if not gpu_impossible(): print('gpu'); sys.exit()\n"
-        f"overrides = ['seed=0,1', 'model=tiny', 'hydra.sweep.dir={tmp_path}/sweep']\n"
+        f"overrides = ['seed=0,1', 'model=tiny', *{pack!r}, 'hydra.sweep.dir={tmp_path}/sweep']\n"
         "check_command(overrides, [], True, None)\n"
         "app._hydra_main = lambda command_line: None  # the sweep itself: its jobs import torch\n"
         "app._train(['-m', *overrides], overrides, [], True, None)  # the ranks' check, Hydra's launcher registered\n"

@@ -229,3 +229,23 @@ def test_pack_groups_pack_the_jobs_that_differ_only_in_lr_and_seed():
     ]
     assert pack_groups(cfgs) == [[0, 2], [1, 5], [3], [4], [6]]
     assert pack_groups([tiny_config("layer"), tiny_config("layer", lr=3e-3)]) == [[0], [1]]
+
+
+@pytest.mark.parametrize("device, precision, gpu_possible, asked", [
+    ("auto", "auto", True, True),  # may train on CUDA, whose bf16 support decides fp16: torch is asked
+    ("cuda", "auto", False, True),
+    ("auto", "auto", False, False),  # no GPU can be here: the CPU's auto precision is fp32
+    ("cpu", "auto", True, False),
+    ("auto", "bf16", True, False),  # a precision named, not resolved
+])
+def test_the_launchers_pack_check_asks_torch_only_where_the_device_decides_the_precision(
+        monkeypatch, device, precision, gpu_possible, asked):
+    import normlab.launch.prechecks as prechecks
+    import normlab.train.pack as pack
+
+    seen = []
+    monkeypatch.setattr(pack, "check_pack", lambda cfgs: seen.append([cfg.seed for cfg in cfgs]))
+    monkeypatch.setattr(prechecks, "gpu_impossible", lambda: not gpu_possible)
+    cfgs = [tiny_config(device=device, precision=precision, pack=True, seed=seed) for seed in (0, 1)]
+    prechecks.check_packing(cfgs, {})
+    assert seen == ([[0, 1]] if asked else [])

@@ -26,8 +26,8 @@ from omegaconf import OmegaConf
 
 from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob
 from normlab.config.parse import override_text
-from normlab.config.packing import pack_groups
-from normlab.launch.machine import check_machine
+from normlab.config.packing import check_packable, pack_groups
+from normlab.launch.machine import check_machine, gpu_impossible
 from normlab.launch.overrides import check_command_line, check_composition, quoted_value
 from normlab.launch.resume import with_continue_command
 from normlab.launch.sweep_dirs import check_sweep_dirs
@@ -314,8 +314,9 @@ def check_packing(cfgs: list, plugins: dict[str, str]) -> None:
     """ConfigError (one line) unless the jobs `cfgs` (RunConfigs) that ask for pack=true can train as packs:
     in a multirun only normlab's launcher packs (another would train them unpacked, silently) and only a
     grid sweep's jobs (Hydra's basic sweeper; a search sweeper launches a trial or two at a time), and each
-    pack must be one that normlab.train.pack.check_pack accepts (it refuses torchrun, fp16, compile=true, ...).
-    `plugins` holds a multirun's launcher and sweeper (check_jobs); {} for a single run."""
+    pack must be packable (normlab.config.packing.check_packable refuses torchrun, fp16, compile=true, ...); where
+    it may train on CUDA at precision=auto, normlab.train.pack.check_pack (torch) also asks what precision its
+    device resolves. `plugins` holds a multirun's launcher and sweeper (check_jobs); {} for a single run."""
     if not any(cfg.pack for cfg in cfgs):
         return
     if plugins and plugins["launcher_target"] != NORMLAB_LAUNCHER:
@@ -324,11 +325,20 @@ def check_packing(cfgs: list, plugins: dict[str, str]) -> None:
     if plugins and plugins["sweeper_target"] != BASIC_SWEEPER:
         raise ConfigError(f"pack=true with hydra/sweeper={plugins['sweeper']}: only a grid sweep's jobs (Hydra's basic "
                           "sweeper) are packed, a search sweeper launches its trials one batch at a time; drop pack=true")
-    from normlab.train.pack import check_pack  # torch, for a sweep with pack=true only
+    packs = [[cfgs[i] for i in group] for group in pack_groups(cfgs) if cfgs[group[0]].pack]
+    for pack in packs:
+        check_packable(pack)
+    # What the device decides: precision=auto is fp16 on a CUDA device without bf16; torch's to say, where one may be.
+    on_cuda = [pack for pack in packs if pack[0].precision == "auto" and _may_use_cuda(pack[0].device)]
+    if on_cuda:
+        from normlab.train.pack import check_pack  # torch
 
-    for group in pack_groups(cfgs):
-        if cfgs[group[0]].pack:
-            check_pack([cfgs[i] for i in group])
+        for pack in on_cuda:
+            check_pack(pack)
+
+
+def _may_use_cuda(device: str) -> bool:
+    return device == "cuda" or (device == "auto" and not gpu_impossible())
 
 
 def _norm_knob_overrides(job: list[str]) -> tuple[list[tuple[str, str]], list[str]]:

@@ -368,3 +368,21 @@ def test_a_worker_takes_the_launchs_hydra_singletons_but_keeps_its_plugins_and_r
         # again, and Hydra's SourcesRegistry keeps the config sources' earlier classes; a later launch in this
         # process then cannot pickle its config loader for a worker ("not the same object").
         Singleton.set_state({**saved, "instances": {**saved["instances"], Plugins: plugins}})
+
+
+def test_a_jobs_task_dict_is_its_config_without_the_hydra_node_resolved():
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from normlab.launch.resolvers import register_resolvers, task_dict
+
+    register_resolvers()
+    with initialize_config_module(config_module="normlab.conf", version_base=None):
+        cfg = compose(config_name="config", overrides=["norm=rms", "model=tiny", "lr=1e-2", "wandb.group=${lr}"],
+                      return_hydra_config=True)
+    whole = OmegaConf.to_container(cfg, resolve=False)
+    raw = task_dict(cfg)
+    assert set(raw) == set(whole) - {"hydra"} and raw["norm"]["name"] == "rms" and raw["lr"] == 1e-2
+    masked = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True)
+    assert raw == masked and raw["wandb"]["group"] == 1e-2  # resolved, as the copy it replaces was
+    assert OmegaConf.to_container(cfg, resolve=False) == whole  # the config itself is left as it was

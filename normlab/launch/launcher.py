@@ -64,6 +64,7 @@ from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
 from normlab.launch.machine import visible_gpus
 from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
+from normlab.launch.resolvers import task_dict
 from normlab.launch.task import ended_job, gone_member, member_result, pack_member, thaw_garbage, train_members
 from normlab.launch.workers import Workers, apply_setting, in_unit
 from normlab.launch.workers import pin_worker as _pin_worker  # noqa: F401  (a worker's start, as the tests call it)
@@ -192,11 +193,8 @@ def pack_units(hydra_context, config, jobs: Sequence[tuple[int, Sequence[str]]],
             sweep_config = _compose(hydra_context, config, idx, overrides)
             if keep is not None:
                 keep[idx] = sweep_config
-            task_cfg = sweep_config.copy()  # shallow: the job's own config keeps its hydra node
-            with open_dict(task_cfg):
-                del task_cfg["hydra"]
             try:
-                cfgs.append(RunConfig.from_dict(OmegaConf.to_container(task_cfg, resolve=True)))
+                cfgs.append(RunConfig.from_dict(task_dict(sweep_config)))
             except Exception:
                 cfgs.append(None)
     finally:

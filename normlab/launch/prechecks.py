@@ -22,13 +22,13 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import OmegaConf
 
 from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob
 from normlab.config.parse import override_text
 from normlab.config.packing import check_packable, pack_groups
 from normlab.launch.machine import check_machine, gpu_impossible
 from normlab.launch.overrides import check_command_line, check_composition, quoted_value
+from normlab.launch.resolvers import task_dict
 from normlab.launch.resume import with_continue_command
 from normlab.launch.sweep_dirs import check_sweep_dirs
 
@@ -365,7 +365,7 @@ def _check_job(hydra, job: list[str], config_dirs: list[str], run_config, compos
     knobs, forced = _norm_knob_overrides(job)
     cfg = composed.get(tuple(forced)) or hydra.compose_config("config", forced, run_mode=RunMode.RUN, from_shell=True)
     job_cfgs.append(cfg)
-    raw = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True)
+    raw = task_dict(cfg)
     if raw.get("norm", {}).get("name") in NORM_TRAITS:
         for knob, value in knobs:
             check_norm_knob(raw["norm"]["name"], knob, value)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 from normlab.config import BYTE_VOCAB, ConfigError, RunConfig
+from normlab.launch.resolvers import task_dict
 
 GIB = 2**30
 PERSISTENT_BYTES_PER_PARAM = 16  # fp32 weight, its gradient, and AdamW's two moments
@@ -136,12 +137,7 @@ def check_machine(composed: list, multirun: bool, local: bool, units_of=None) ->
         check_output_dir(out_dir, key)
     if not local:
         return
-    cfgs = []
-    for cfg in composed:
-        cfg = cfg.copy()
-        with open_dict(cfg):
-            del cfg["hydra"]
-        cfgs.append(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True), validate=False))
+    cfgs = [RunConfig.from_dict(task_dict(cfg), validate=False) for cfg in composed]
     for device in sorted({cfg.device for cfg in cfgs}):
         if multirun and device == "cuda" and not _has_cuda():
             continue  # in a sweep, that job fails alone and the sweep goes on, as any failing job does

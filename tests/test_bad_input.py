@@ -114,6 +114,10 @@ def trained(cwd) -> list:
         (["wandb.project=team/normlab"], ["wandb.project='team/normlab'", "none of / \\ # ? % :"]),
         (["wandb.project=" + "p" * 129], ["1 to 128 characters"]),
         (["wandb.tags=[" + "t" * 65 + "]"], ["a wandb tag is a string of 1 to 64 characters"]),
+        # a value that reads the hydra node, which the job runs without; a missing value
+        (["-m", "wandb.group=${hydra.runtime.choices.norm}", "seed=0,1"],
+         ["Interpolation key 'hydra.runtime.choices.norm' not found"]),
+        (["seed=???"], ["seed='???': must be an integer"]),
         # what only this machine can refuse
         (["depth=1000000"], ["needs about", "GiB", "of physical memory on this machine", "lower depth"]),
         (["hydra.run.dir=a_file"], ["a_file is a file, not a directory"]),

@@ -386,3 +386,31 @@ def test_a_jobs_task_dict_is_its_config_without_the_hydra_node_resolved():
     masked = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True)
     assert raw == masked and raw["wandb"]["group"] == 1e-2  # resolved, as the copy it replaces was
     assert OmegaConf.to_container(cfg, resolve=False) == whole  # the config itself is left as it was
+
+
+@pytest.mark.parametrize("task", [
+    {"seed": "${hydra.job.num}"},  # the hydra node is no part of the job's config: Hydra runs the job without it
+    {"wandb": {"group": "${hydra.job.num}"}},
+    {"wandb": {"group": "${oc.select:hydra.job.num,none}"}},
+    {"seed": "???", "wandb": {"group": "???"}},  # a missing value, as to_container gives it
+    {"seed": "???", "lr": "${seed}"},
+    {"seed": None, "lr": "${seed}", "wandb": {"group": "${lr}"}},
+], ids=["top", "nested", "select", "missing", "to-missing", "none"])
+def test_a_jobs_task_dict_reads_what_its_copy_without_the_hydra_node_reads(task):
+    from omegaconf import OmegaConf
+
+    from normlab.launch.resolvers import task_dict
+
+    cfg = OmegaConf.create({"hydra": {"job": {"num": 3}}, **task})
+    OmegaConf.set_struct(cfg, True)
+    OmegaConf.set_readonly(cfg.hydra, True)  # as Hydra composes it
+
+    def read(how):
+        try:
+            return how()
+        except Exception as err:
+            return type(err)
+
+    copy = read(lambda: OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True))
+    assert read(lambda: task_dict(cfg)) == copy
+    assert OmegaConf.to_container(cfg, resolve=False) == {"hydra": {"job": {"num": 3}}, **task}

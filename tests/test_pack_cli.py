@@ -249,3 +249,21 @@ def test_the_launchers_pack_check_asks_torch_only_where_the_device_decides_the_p
     cfgs = [tiny_config(device=device, precision=precision, pack=True, seed=seed) for seed in (0, 1)]
     prechecks.check_packing(cfgs, {})
     assert seen == ([[0, 1]] if asked else [])
+
+
+def test_the_launchers_pack_check_names_the_first_pack_it_refuses(monkeypatch):
+    """Pack by pack, in the sweep's order, as normlab.train.pack.check_pack refused them: the first pack's precision,
+    which its device resolves (here: fp16, a CUDA device without bf16), before a later pack's compile=true."""
+    import normlab.launch.prechecks as prechecks
+    import normlab.train.pack as pack
+    from normlab.config import ConfigError
+
+    def fp16(cfgs):
+        raise ConfigError(f"pack=true with precision=fp16 (device={cfgs[0].device})")
+
+    monkeypatch.setattr(pack, "check_pack", fp16)
+    cuda = [tiny_config(device="cuda", precision="auto", pack=True, seed=seed) for seed in (0, 1)]
+    compiled = [tiny_config("rms", compile=True, pack=True, seed=seed) for seed in (0, 1)]  # another pack
+    assert pack_groups(cuda + compiled) == [[0, 1], [2, 3]]
+    with pytest.raises(ConfigError, match="precision=fp16"):
+        prechecks.check_packing(cuda + compiled, {})

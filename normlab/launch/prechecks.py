@@ -325,16 +325,17 @@ def check_packing(cfgs: list, plugins: dict[str, str]) -> None:
     if plugins and plugins["sweeper_target"] != BASIC_SWEEPER:
         raise ConfigError(f"pack=true with hydra/sweeper={plugins['sweeper']}: only a grid sweep's jobs (Hydra's basic "
                           "sweeper) are packed, a search sweeper launches its trials one batch at a time; drop pack=true")
-    packs = [[cfgs[i] for i in group] for group in pack_groups(cfgs) if cfgs[group[0]].pack]
-    for pack in packs:
-        check_packable(pack)
-    # What the device decides: precision=auto is fp16 on a CUDA device without bf16; torch's to say, where one may be.
-    on_cuda = [pack for pack in packs if pack[0].precision == "auto" and _may_use_cuda(pack[0].device)]
-    if on_cuda:
-        from normlab.train.pack import check_pack  # torch
+    for group in pack_groups(cfgs):  # pack by pack: the first refused is named
+        pack = [cfgs[i] for i in group]
+        if not pack[0].pack:
+            continue
+        # What the device decides: precision=auto is fp16 on a CUDA device without bf16; torch's to say, where one may be.
+        if pack[0].precision == "auto" and _may_use_cuda(pack[0].device):
+            from normlab.train.pack import check_pack  # torch
 
-        for pack in on_cuda:
-            check_pack(pack)
+            check_pack(pack)  # check_packable's refusals first
+        else:
+            check_packable(pack)
 
 
 def _may_use_cuda(device: str) -> bool:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
 from datetime import datetime
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import tiny_config
 from normlab.cli import main
-from normlab.config.packing import pack_groups
+from normlab.config import ConfigError
+from normlab.config.packing import check_packable, pack_groups
 from cli_here import normlab_here
 from test_cli import run_dirs
 
@@ -229,6 +230,26 @@ def test_pack_groups_pack_the_jobs_that_differ_only_in_lr_and_seed():
     ]
     assert pack_groups(cfgs) == [[0, 2], [1, 5], [3], [4], [6]]
     assert pack_groups([tiny_config("layer"), tiny_config("layer", lr=3e-3)]) == [[0], [1]]
+
+
+@pytest.mark.parametrize("key, value", [("device", "auto"), ("compile", True), ("tf32", False), ("deterministic", True),
+                                        ("log_every", 3), ("telemetry.every", 2), ("ckpt.every", 1)])
+def test_jobs_that_differ_in_what_a_pack_takes_from_its_first_member_train_in_separate_packs(key, value):
+    """A pack computes, measures, logs and saves as its first member says (normlab.train.pack): a job that says
+    otherwise trains in a pack of its own, not silently as the first one says."""
+    other = tiny_config("layer", lr=3e-3, pack=True)
+    section, _, name = key.rpartition(".")
+    setattr(getattr(other, section) if section else other, name, value)
+    cfgs = [tiny_config("layer", lr=1e-3, pack=True), other, tiny_config("layer", lr=1e-2, pack=True)]
+    assert pack_groups(cfgs) == [[0, 2], [1]]
+    with pytest.raises(ConfigError, match=f"differ in {key} "):
+        check_packable(cfgs[:2])
+
+
+def test_jobs_that_differ_only_in_what_each_member_keeps_its_own_of_pack_together():
+    cfgs = [tiny_config("layer", lr=1e-3, pack=True), tiny_config("layer", lr=3e-3, pack=True, name="mine")]
+    cfgs[1].wandb.tags = ["other"]
+    assert pack_groups(cfgs) == [[0, 1]]
 
 
 @pytest.mark.parametrize("device, precision, gpu_possible, asked", [

@@ -11,11 +11,16 @@ from normlab.config.parse import flatten_config
 from normlab.config.schema import RunConfig, bookkeeping_keys
 
 PACKABLE_KEYS = ("lr", "seed")  # what the members of one pack may differ in
+# Bookkeeping keys (a sweep's records ignore them) whose value a pack takes from its first member for all of them
+# (normlab.train.pack): where and how it computes, what it measures and logs, when it saves. Members must
+# share them, so jobs that differ in one train in separate packs.
+PACK_WIDE_KEYS = ("device", "compile", "compile_mode", "tf32", "deterministic", "telemetry", "log_every", "ckpt")
 
 
 def shared_settings(cfg: RunConfig) -> dict[str, Any]:
-    """The flattened config a pack's members share: all but the packable and the bookkeeping keys."""
-    skip = bookkeeping_keys()
+    """The flattened config a pack's members share: all but the packable keys and the bookkeeping keys each member
+    keeps its own of (its name, wandb run, sinks, resume, ...); PACK_WIDE_KEYS are shared."""
+    skip = [key for key in bookkeeping_keys() if key not in PACK_WIDE_KEYS]
     return {
         key: value for key, value in flatten_config(cfg).items()
         if key not in PACKABLE_KEYS and not any(key == b or key.startswith(b + ".") for b in skip)

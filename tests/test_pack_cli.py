@@ -261,12 +261,13 @@ def test_jobs_that_differ_only_in_what_each_member_keeps_its_own_of_pack_togethe
 ])
 def test_the_launchers_pack_check_asks_torch_only_where_the_device_decides_the_precision(
         monkeypatch, device, precision, gpu_possible, asked):
+    import normlab.launch.machine as machine
     import normlab.launch.prechecks as prechecks
     import normlab.train.pack as pack
 
     seen = []
     monkeypatch.setattr(pack, "check_pack", lambda cfgs: seen.append([cfg.seed for cfg in cfgs]))
-    monkeypatch.setattr(prechecks, "gpu_impossible", lambda: not gpu_possible)
+    monkeypatch.setattr(machine, "gpu_impossible", lambda: not gpu_possible)
     cfgs = [tiny_config(device=device, precision=precision, pack=True, seed=seed) for seed in (0, 1)]
     prechecks.check_packing(cfgs, {})
     assert seen == ([[0, 1]] if asked else [])

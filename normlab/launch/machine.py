@@ -185,9 +185,15 @@ def gpu_impossible() -> bool:
             and not _nvidia_gpu_on_pci())
 
 
+def cpu_for_sure(device: str) -> bool:
+    """Whether a run with this `device` setting computes on the CPU, known without torch: device=cpu, or auto where
+    no GPU can be (gpu_impossible). False where torch must say."""
+    return device == "cpu" or (device == "auto" and gpu_impossible())
+
+
 def _checked_device(device: str) -> str:
     """check_device's answer ('cpu' or 'cuda'); without torch where the answer is the CPU anyway."""
-    if device == "cpu" or (device == "auto" and gpu_impossible()):
+    if cpu_for_sure(device):
         return "cpu"
     from normlab.train.runtime import check_device  # torch: seconds to import, not for `normlab train --help`
 

@@ -26,7 +26,7 @@ from hydra.types import RunMode
 from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob
 from normlab.config.parse import override_text
 from normlab.config.packing import check_packable, pack_groups
-from normlab.launch.machine import check_machine, gpu_impossible
+from normlab.launch.machine import check_machine, cpu_for_sure
 from normlab.launch.overrides import check_command_line, check_composition, quoted_value
 from normlab.launch.resolvers import task_dict
 from normlab.launch.resume import with_continue_command
@@ -330,16 +330,13 @@ def check_packing(cfgs: list, plugins: dict[str, str]) -> None:
         if not pack[0].pack:
             continue
         # What the device decides: precision=auto is fp16 on a CUDA device without bf16; torch's to say, where one may be.
-        if pack[0].precision == "auto" and _may_use_cuda(pack[0].device):
+        if pack[0].precision == "auto" and not cpu_for_sure(pack[0].device):
             from normlab.train.pack import check_pack  # torch
 
             check_pack(pack)  # check_packable's refusals first
         else:
             check_packable(pack)
 
-
-def _may_use_cuda(device: str) -> bool:
-    return device == "cuda" or (device == "auto" and not gpu_impossible())
 
 
 def _norm_knob_overrides(job: list[str]) -> tuple[list[tuple[str, str]], list[str]]:

@@ -245,7 +245,7 @@ def loop_extras(cfg, step_s: float) -> list[tuple[str, float]]:
     from normlab.train.checkpoint import Checkpointer
     from normlab.config import TelemetryConfig
     from normlab.train.sinks import MetricsFile, RunDir
-    from normlab.train.probe import Probe
+    from normlab.telemetry.probe import Probe
     from normlab.train.optim import lr_at
     from normlab.train.run import build_state
 

@@ -19,7 +19,7 @@ real training run dispatches, plain and with telemetry, for the medium preset (8
 32 × 128) and GPT-2 small's shape (12 blocks, width 768, 12 heads, at batch 8 × 128 so that the CPU runs it;
 `--ops-shapes` picks them, `--ops-batch`, `--ops-seq` set their size): on a GPU each op is at least one kernel
 launch. `--ops-stack-elements N` counts them with the Probe's stacks capped at N elements (16777216: the cap
-CUDA had in the H100's call 4; normlab.train.probe_sites.STACK_ELEMENTS is every device's now).
+CUDA had in the H100's call 4; normlab.telemetry.sites.STACK_ELEMENTS is every device's now).
 
 `--isolated` and `--ops` run in fresh processes (`--processes` of them for `--isolated`, 2 by default); `--base
 REF` measures them also for the package at git REF (a `git archive` of it, imported instead of this tree's),
@@ -155,9 +155,9 @@ def measure(args) -> dict:
         out["isolated"] = [(times[2 * k + 1], times[2 * k + 2]) for k in range(1, args.isolated + 1)]
     if args.ops:
         if args.ops_stack_elements:  # another cap, on the CPU
-            import normlab.train.probe_sites
+            import normlab.telemetry.sites
 
-            normlab.train.probe_sites.STACK_ELEMENTS = args.ops_stack_elements
+            normlab.telemetry.sites.STACK_ELEMENTS = args.ops_stack_elements
         out["ops"] = {}
         for shape in args.ops_shapes.split(","):
             overrides, (batch, seq) = OPS_SHAPES[shape][1], ops_size(shape, args)

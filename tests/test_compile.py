@@ -157,7 +157,7 @@ def test_the_telemetry_graph_compiles_without_cuda_graphs_and_static_shapes_in_e
     """Whatever compile_mode the plain steps use, the Probe compiles its forward with torch.compile's default mode
     (no CUDA graphs: its statistics are read after the step's other micro-batches, which a replay would
     overwrite) and dynamic=False (one graph per micro-batch shape, none made dynamic by a second shape)."""
-    import normlab.train.probe as probe_module
+    import normlab.telemetry.probe as probe_module
     from normlab.train.callbacks import Telemetry
     from normlab.train.run import build_state, standard_callbacks
 

@@ -10,7 +10,7 @@ import yaml
 from torch import nn
 
 from conftest import tiny_config
-from normlab.train import probe_norms as probe
+from normlab.telemetry import norms as probe
 from normlab.config import (
     ALPHA_PARAMS,
     GAIN_PARAMS,

@@ -14,8 +14,8 @@ from normlab.data import load_corpus, sample_batch
 from normlab.nn.model import GPT
 from normlab.train.sinks import MetricsFile, RunDir
 from normlab.keys import layer_label
-from normlab.train.probe import PROBE_SEQS, Probe
-from normlab.train.probe_stats import attention_stats
+from normlab.telemetry.probe import PROBE_SEQS, Probe
+from normlab.telemetry.stats import attention_stats
 from normlab.train.loop import loss_fn
 from normlab.train.optim import lr_at, param_groups
 from normlab.train.run import train
@@ -430,7 +430,7 @@ def test_importing_the_probe_and_the_loop_does_not_import_matplotlib():
     import subprocess
     import sys
 
-    code = "import sys, normlab.train.probe, normlab.train.callbacks, normlab.train; print('matplotlib' in sys.modules)"
+    code = "import sys, normlab.telemetry.probe, normlab.train.callbacks, normlab.train; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -491,7 +491,7 @@ def test_block_figures_leave_out_the_norm_gains_and_the_residual_gates():
 
 
 def test_fused_parameter_norms_equal_the_per_tensor_ones():
-    from normlab.train.probe_stats import l2_norms
+    from normlab.telemetry.stats import l2_norms
 
     gen = torch.Generator().manual_seed(0)
     model = GPT(tiny_config("rms", "pre"))

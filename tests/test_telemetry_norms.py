@@ -16,8 +16,8 @@ from normlab.config import TelemetryConfig
 from normlab.nn.model import GPT
 from normlab.nn.norms import BatchNorm, Derf, DyT, L2Norm, LayerNorm, RMSNorm, ScaleNorm
 from normlab.train.pack.loop import PackLoop
-from normlab.train.probe import Probe
-from normlab.train.probe_norms import EPS_RATIO, EpsWarnings
+from normlab.telemetry.probe import Probe
+from normlab.telemetry.norms import EPS_RATIO, EpsWarnings
 from test_telemetry import run
 
 

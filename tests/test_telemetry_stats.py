@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-import normlab.train.probe_stats as probe_stats
+import normlab.telemetry.stats as probe_stats
 from conftest import tiny_config
 from normlab.config import TelemetryConfig
 from normlab.data import load_corpus, sample_batch
 from normlab.nn.model import GPT
-from normlab.train.probe import PROBE_SEQS, Probe
-from normlab.train.probe_stats import (
+from normlab.telemetry.probe import PROBE_SEQS, Probe
+from normlab.telemetry.stats import (
     attention_stats,
     feature_kurtosis,
     head_entropy_stats,
@@ -167,7 +167,7 @@ def test_he_et_al_s_code_logs_d_over_d_minus_1_times_the_centred_kurtosis_minus_
 
 @pytest.mark.parametrize("d", [1, 2, 7, 8, 33])
 def test_lower_median_is_torchs_median_read_off_a_sort(d):
-    from normlab.train.probe_stats import sorted_lower_median
+    from normlab.telemetry.stats import sorted_lower_median
 
     torch.manual_seed(d)
     a = torch.randn(5, d).abs()
@@ -315,7 +315,7 @@ def test_statistics_of_stacked_blocks_equal_each_blocks_own():
 def test_blocks_stacked_in_chunks_give_the_statistics_of_one_stack(monkeypatch):
     """Where a stack of every block would be too large (GPT-2 small at batch 32 x 1024), the Probe stacks a few
     blocks at a time: one block a chunk gives every statistic exactly as one chunk of all does."""
-    import normlab.train.probe_sites as probe_sites
+    import normlab.telemetry.sites as probe_sites
 
     torch.manual_seed(0)
     model = GPT(tiny_config("rms", "pre", depth=5, qk_norm=True))
@@ -397,7 +397,7 @@ def test_a_step_in_two_micro_batches_logs_what_one_batch_does(monkeypatch, eleme
     """grad_accum=2 on a batch of 16: the first micro-batch holds the 8 probed sequences, the second none. Each
     must cut its blocks into the same chunks (a review found the attention's chunks sized by the micro-batch's
     own probed rows: the second one's statistics then came in another order and were added to the wrong keys)."""
-    import normlab.train.probe_sites as probe_sites
+    import normlab.telemetry.sites as probe_sites
 
     monkeypatch.setattr(probe_sites, "STACK_ELEMENTS", elements)
     torch.manual_seed(0)
@@ -416,7 +416,7 @@ def test_a_step_in_two_micro_batches_logs_what_one_batch_does(monkeypatch, eleme
 
 
 def test_micro_batches_whose_statistics_come_in_different_orders_are_refused():
-    from normlab.train.probe_sites import Entry
+    from normlab.telemetry.sites import Entry
 
     probe = Probe(GPT(tiny_config("rms", "pre")), every=1, max_steps=1)
     one = ((Entry("rms", ("act/a",), 1, 4), Entry("rms", ("act/b",), 1, 4)), ())

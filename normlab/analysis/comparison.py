@@ -19,7 +19,7 @@ from normlab.analysis.records import METRICS
 from normlab.analysis.repeats import drop_repeats
 from normlab.analysis.runs import CompareError, Run, load_run
 
-EPS_RATIO_PREFIX = "norm/eps_ratio/"  # telemetry's input RMS / Norm.eps_rms per norm slot (normlab.train.probe_norms)
+EPS_RATIO_PREFIX = "norm/eps_ratio/"  # telemetry's input RMS / Norm.eps_rms per norm slot (normlab.telemetry.norms)
 
 
 @dataclass

@@ -119,7 +119,7 @@ class WandbConfig:
 
 @dataclass
 class TelemetryConfig:
-    """Per-layer statistics (normlab.train.probe): at step 0, every `every` steps and at the last step."""
+    """Per-layer statistics (normlab.telemetry.probe): at step 0, every `every` steps and at the last step."""
 
     every: int = 10  # 0 turns telemetry off
 

@@ -139,7 +139,7 @@ class PackedModel:
         """Each member's loss_fn(logits, targets), shape (M,). `shared`: x and y, (B, T), are the same for
         every member (held-out batches), else (M, B, T).
 
-        `watcher` (telemetry, normlab.train.pack.telemetry.PackedProbe) sees inside the batched call: `taps(x)`
+        `watcher` (telemetry, normlab.telemetry.packed.PackedProbe) sees inside the batched call: `taps(x)`
         gives tensors (M, ...) passed in per member, `begin(taps)` runs before each member's forward and
         returns the tap (normlab.nn.tap) the forward runs with, or None, and `end()` runs after it, returning
         per-member tensors that `absorb` receives, stacked, after the call."""

@@ -43,7 +43,7 @@ from normlab.train.loop import SET_ASIDE, batch_loader, emit, held_out_batches, 
 from normlab.train.optim import param_groups
 from normlab.train.phases import Phases, run_ended, startup_seconds
 from normlab.train.preempt import Preempted
-from normlab.train.probe import Probe
+from normlab.telemetry.probe import Probe
 from normlab.train.runlog import run_log
 from normlab.train.runtime import (
     compile_model, compile_steps, configure_determinism, configure_host_allocator, configure_matmul, resolve_device,

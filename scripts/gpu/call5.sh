@@ -20,10 +20,10 @@ timeout 60 python3 scripts/telemetry_host.py --device cuda --width 256 --batch 3
 # 2. The telemetry stage at CUDA's cap as committed (2^22), then at 2^24 (this machine's copy of probe_sites.py
 #    edited: the device's tree is a copy), each in a folder of its own.
 timeout 110 python3 scripts/gpu_acceptance.py --out "$OUT/cap22" --stage telemetry --budget telemetry=100
-sed -i 's/^STACK_ELEMENTS = 1 << 22$/STACK_ELEMENTS = 1 << 24/' normlab/train/probe_sites.py
-grep -n "^STACK_ELEMENTS" normlab/train/probe_sites.py | tee -a "$OUT/telemetry_host.log"
+sed -i 's/^STACK_ELEMENTS = 1 << 22$/STACK_ELEMENTS = 1 << 24/' normlab/telemetry/sites.py
+grep -n "^STACK_ELEMENTS" normlab/telemetry/sites.py | tee -a "$OUT/telemetry_host.log"
 timeout 110 python3 scripts/gpu_acceptance.py --out "$OUT/cap24" --stage telemetry --budget telemetry=100
-sed -i 's/^STACK_ELEMENTS = 1 << 24$/STACK_ELEMENTS = 1 << 22/' normlab/train/probe_sites.py
+sed -i 's/^STACK_ELEMENTS = 1 << 24$/STACK_ELEMENTS = 1 << 22/' normlab/telemetry/sites.py
 # 3. The 8-arm sweep and the suite (tests/test_cuda.py first).
 timeout 230 python3 scripts/gpu_acceptance.py --out "$OUT" --stage sweep8 suite --budget sweep8=95 --budget suite=120
 # The device-named copies of gpu-acceptance.json (gpu-h100.json, gpu-h200.json: the call may land on either).

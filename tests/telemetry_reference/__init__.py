@@ -2,5 +2,5 @@
 
 probe.py, probe_stats.py, probe_norms.py and pack_telemetry.py are verbatim copies of normlab/train/probe.py,
 probe_stats.py, probe_norms.py and pack/telemetry.py at that commit, with only their imports of one another
-pointed here. Do not edit them.
+pointed here (those modules are normlab/telemetry/ today). Do not edit them.
 """

@@ -6,8 +6,8 @@ import logging
 from typing import Any
 
 from normlab.train.callbacks.base import Callback
-from normlab.train.probe import Probe
-from normlab.train.probe_norms import EpsWarnings
+from normlab.telemetry.probe import Probe
+from normlab.telemetry.norms import EpsWarnings
 from normlab.train.state import TrainState
 
 

@@ -26,9 +26,9 @@ from normlab.train.checkpoint import Checkpoint, Checkpointer
 from normlab.train.loop import HeldOut, loss_fn, z_loss_term
 from normlab.train.optim import lr_at
 from normlab.train.pack.checkpoint import OptimizerLayout, Saved, guard_state, member_checkpoint_state, restore_member
-from normlab.train.pack.telemetry import PackedProbe
+from normlab.telemetry.packed import PackedProbe
 from normlab.train.preempt import Preempted
-from normlab.train.probe_norms import EpsWarnings
+from normlab.telemetry.norms import EpsWarnings
 from normlab.train.runtime import autocast
 from normlab.train.sinks import RunDir, RunDirGone, Sink
 from normlab.util.errors import one_line

@@ -28,7 +28,7 @@ from normlab.train.loop import batch_loader, held_out_batches
 from normlab.train.optim import param_groups
 from normlab.train.pack.checkpoint import OptimizerLayout
 from normlab.train.pack.loop import Member, PackLoop
-from normlab.train.pack.telemetry import PackedProbe
+from normlab.telemetry.packed import PackedProbe
 from normlab.train.preempt import Preempted
 from normlab.train.phases import Phases, run_ended, startup_seconds
 from normlab.train.run import record_end, summary_head, with_model_vocab

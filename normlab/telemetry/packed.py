@@ -19,9 +19,9 @@ from typing import Iterator
 import torch
 
 from normlab.nn.packed import PackedModel, member_norms
-from normlab.train.probe import Probe
-from normlab.train.probe_norms import NormParams
-from normlab.train.probe_sites import Plan, Recorder
+from normlab.telemetry.probe import Probe
+from normlab.telemetry.norms import NormParams
+from normlab.telemetry.sites import Plan, Recorder
 
 
 class PackedProbe(Probe):

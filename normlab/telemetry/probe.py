@@ -8,9 +8,9 @@ Probe: no tap, nothing computed. The Probe measures and returns records; it keep
 nothing (the end-of-run table and heatmaps are made from the records).
 
 `forward` runs the model with a tap (normlab.nn.tap) that keeps the tensors it is shown, then computes the
-statistics of every site for all blocks at once (probe_sites): stacked tensors, fused multi-tensor norms,
+statistics of every site for all blocks at once (telemetry.sites): stacked tensors, fused multi-tensor norms,
 two flat vectors per micro-batch. The residual stream's gradient is measured in backward by an identity
-(probe_sites.Collect) whose second input collects its sum of squares. Parameter norms are fused too
+(sites.Collect) whose second input collects its sum of squares. Parameter norms are fused too
 (torch._foreach_norm). Each micro-batch adds to the step's sums, so a statistic is over the whole step's
 batch whatever grad_accum is; `collect` moves everything to the host in one transfer. Under compile=true the
 forward and its statistics are one compiled function (dynamic=False), a graph beside the plain step's,
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from normlab.keys import layer_key, layer_label
-from normlab.train.probe_norms import (
+from normlab.telemetry.norms import (
     NormParams,
     eps_floors,
     eps_ratios,
@@ -54,15 +54,15 @@ from normlab.train.probe_norms import (
     norm_parameter_groups,
     norm_parameter_stats,
 )
-from normlab.train.probe_params import group_figures, group_stats, param_groups
-from normlab.train.probe_sites import PROBE_SEQS, Entry, Plan, Recorder, read_entries
-from normlab.train.probe_stats import l2_norms
+from normlab.telemetry.params import group_figures, group_stats, param_groups
+from normlab.telemetry.sites import PROBE_SEQS, Entry, Plan, Recorder, read_entries
+from normlab.telemetry.stats import l2_norms
 
 
 
 def watched_forward(net: nn.Module, idx: torch.Tensor, collectors: list[torch.Tensor], plan: Plan):
     """`net`'s logits for `idx`, run with a Recorder as its tap, and the statistics of what it was shown:
-    (logits, sums, maxima, entries), see probe_sites.Recorder. The function that compile=true compiles."""
+    (logits, sums, maxima, entries), see sites.Recorder. The function that compile=true compiles."""
     tap = Recorder(collectors, plan)
     logits = net(idx, tap=tap)
     sums, maxima, entries = tap.finish()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from normlab.keys import layer_key, parse
-from normlab.train.probe_stats import (
+from normlab.telemetry.stats import (
     attention_stats,
     feature_kurtosis,
     head_entropy_stats,

@@ -157,10 +157,10 @@ def timed_command(sweep: Path, out: Path) -> tuple[float, float]:
 
 def in_process(sweep: Path, out: Path) -> dict[str, float]:
     """Seconds of each part of one compare() call in this process (imports already done)."""
-    from normlab.analysis.comparison import build_comparison
-    from normlab.analysis.plots import write_plots
-    from normlab.analysis.report import write_report
-    from normlab.analysis.runs import find_run_dirs
+    from normlab.analysis.stats.comparison import build_comparison
+    from normlab.analysis.render.plots import write_plots
+    from normlab.analysis.render.report import write_report
+    from normlab.analysis.read.runs import find_run_dirs
 
     out.mkdir(parents=True, exist_ok=True)
     times, start = {}, time.perf_counter()

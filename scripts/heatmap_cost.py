@@ -13,7 +13,7 @@ import argparse
 import statistics
 import time
 
-import normlab.analysis.heatmap as heatmap
+import normlab.analysis.render.heatmap as heatmap
 from normlab import keys
 
 

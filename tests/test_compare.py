@@ -463,7 +463,7 @@ def test_bad_paths_give_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args,
 def test_normlab_help_and_compare_do_not_import_torch_or_wandb():
     code = (
         "import sys, normlab.cli; normlab.cli.main(['--help']); heavy = {'torch', 'wandb', 'matplotlib'} & set(sys.modules); "
-        "import normlab.analysis, normlab.analysis.compare, normlab.analysis.report, normlab.analysis.plots; "
+        "import normlab.analysis, normlab.analysis.compare, normlab.analysis.render.report, normlab.analysis.render.plots; "
         "print(sorted(heavy), sorted({'torch', 'wandb'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

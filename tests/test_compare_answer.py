@@ -14,7 +14,7 @@ import pytest
 from normlab import cli
 from normlab.analysis import build_comparison, find_run_dirs, load_run
 from normlab.analysis.compare import compare
-from normlab.analysis.stability import SPIKE_WINDOW, run_stability, spike_steps
+from normlab.analysis.stats.stability import SPIKE_WINDOW, run_stability, spike_steps
 from normlab.config import RunConfig, nest_config
 from normlab.train.sinks import MetricsCsv
 from test_compare import PNG_MAGIC, table, write_run
@@ -180,7 +180,7 @@ def test_seeds_are_drawn_as_mean_and_band_and_no_layout_warning(mixed):
 
 
 def test_seed_band_is_the_mean_and_range_of_the_seeds_at_each_step():
-    from normlab.analysis.plots import seed_band
+    from normlab.analysis.render.plots import seed_band
 
     steps, mean, low, high = seed_band([([0, 1, 2], [3.0, 2.0, 1.0]), ([0, 1], [5.0, 4.0])])
     assert steps.tolist() == [0, 1, 2]

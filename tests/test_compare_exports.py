@@ -7,7 +7,7 @@ import math
 import pytest
 
 from normlab.analysis.compare import compare
-from normlab.analysis.exports import cell_values
+from normlab.analysis.render.exports import cell_values
 from test_compare import run_compare_cli, write_run
 
 

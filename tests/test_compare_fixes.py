@@ -9,7 +9,7 @@ import pytest
 
 from normlab.analysis import build_comparison, find_run_dirs
 from normlab.analysis.compare import compare
-from normlab.analysis.ranking import terminal_summary
+from normlab.analysis.render.ranking import terminal_summary
 from normlab.config import reads_key
 from test_compare import run_compare_cli, table, write_run
 
@@ -115,8 +115,8 @@ def test_the_job_line_and_the_runs_last_line_say_which_wall_time_each_counts(tmp
 
 def drawn_axes(comparison, tmp_path, monkeypatch) -> dict:
     """{file: [axes]} of every plot write_plots draws."""
-    from normlab.analysis import figures
-    from normlab.analysis.plots import write_plots
+    from normlab.analysis.render import figures
+    from normlab.analysis.render.plots import write_plots
 
     drawn = {}
     save = figures.Grid.save
@@ -175,7 +175,7 @@ def test_a_run_that_matches_no_preset_keeps_its_keys_in_the_label(tmp_path):
 
 
 def test_the_terminal_table_fits_120_columns_whatever_its_columns_and_labels():
-    from normlab.analysis.terminal import fitted
+    from normlab.analysis.render.terminal import fitted
 
     head = ["rank", "arm", *(f"column {i}" for i in range(12))]
     rows = [[str(r), f"arm {r}", *(f"{r}.{i:08d}" for i in range(12))] for r in (1, 2)]

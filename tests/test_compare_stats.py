@@ -11,12 +11,12 @@ import pytest
 from scipy import stats
 
 from normlab.analysis import build_comparison, find_run_dirs
-from normlab.analysis.bracketing import rounded
-from normlab.analysis.intervals import mean_interval, paired, welch
-from normlab.analysis.plots import Plot
-from normlab.analysis.ranking import terminal_summary
-from normlab.analysis.report import write_report
-from normlab.analysis.scale_plot import draw_scale, scale_dims
+from normlab.analysis.stats.bracketing import rounded
+from normlab.analysis.stats.intervals import mean_interval, paired, welch
+from normlab.analysis.render.plots import Plot
+from normlab.analysis.render.ranking import terminal_summary
+from normlab.analysis.render.report import write_report
+from normlab.analysis.render.scale_plot import draw_scale, scale_dims
 from test_compare import PNG_MAGIC, table, write_run
 
 

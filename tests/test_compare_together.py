@@ -6,9 +6,9 @@ import json
 from scipy import stats
 
 from normlab.analysis import build_comparison, find_run_dirs
-from normlab.analysis.exports import arm_records, csv_text
-from normlab.analysis.ranking import terminal_summary
-from normlab.analysis.terminal import fitted
+from normlab.analysis.render.exports import arm_records, csv_text
+from normlab.analysis.render.ranking import terminal_summary
+from normlab.analysis.render.terminal import fitted
 from test_compare import write_run
 
 

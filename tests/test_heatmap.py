@@ -1,4 +1,4 @@
-"""The end-of-run heatmaps drawn on a reused figure (normlab.analysis.heatmap) are a fresh figure's, byte for byte."""
+"""The end-of-run heatmaps drawn on a reused figure (normlab.analysis.render.heatmap) are a fresh figure's, byte for byte."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-import normlab.analysis.heatmap as heatmap
+import normlab.analysis.render.heatmap as heatmap
 from normlab import keys
 
 

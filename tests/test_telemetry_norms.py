@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from normlab.analysis.comparison import build_comparison
-from normlab.analysis.ranking import terminal_summary
+from normlab.analysis.stats.comparison import build_comparison
+from normlab.analysis.render.ranking import terminal_summary
 from normlab.config import TelemetryConfig
 from normlab.nn.model import GPT
 from normlab.nn.norms import BatchNorm, Derf, DyT, L2Norm, LayerNorm, RMSNorm, ScaleNorm

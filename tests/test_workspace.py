@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("wandb_workspaces")
 
 from normlab.analysis import build_comparison, find_run_dirs  # noqa: E402
-from normlab.analysis.workspace import build_workspace, spec, targets  # noqa: E402
+from normlab.analysis.render.workspace import build_workspace, spec, targets  # noqa: E402
 from test_compare import run_compare_cli, write_run  # noqa: E402
 
 

@@ -1,9 +1,14 @@
-"""The comparison's analysis: run dirs read back (runs.py), grouped into arms with each arm's LR
-sensitivity (arms.py), put together as a Comparison (comparison.py). It reads and computes only: the
-`compare` command (compare.py) writes the report with report.py and plots.py.
+"""Analysis: what runs wrote, read back and compared, in three stages.
+
+    read/     run dirs into Run objects: config, summary, metric rows
+    stats/    runs into arms, intervals, gaps, factor effects: a Comparison (numbers only)
+    render/   a Comparison into the ranked table, report.md, plots and exports
+
+The commands sit on top: `normlab compare` (compare.py) and `normlab ls` (listing.py). This package reads run
+dirs with normlab.config, normlab.keys and normlab.util alone; it never imports the training code.
 """
 
-from normlab.analysis.arms import (
+from normlab.analysis.stats.arms import (
     NOT_ARM_KEYS,
     Arm,
     ArmResult,
@@ -12,8 +17,8 @@ from normlab.analysis.arms import (
     mean_std,
     order_key,
 )
-from normlab.analysis.comparison import Comparison, build_comparison
-from normlab.analysis.runs import (
+from normlab.analysis.stats.comparison import Comparison, build_comparison
+from normlab.analysis.read.runs import (
     CONFIG,
     MEASURES,
     METRICS,

@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from normlab.analysis.comparison import Comparison, build_comparison
-from normlab.analysis.exports import FIGURE_FORMATS
-from normlab.analysis.ranking import terminal_summary
-from normlab.analysis.runs import CONFIG, METRICS, SUMMARY, CompareError, find_run_dirs
-from normlab.analysis.workspace import EXTRA, SPEC, check_installed, save_workspaces
+from normlab.analysis.stats.comparison import Comparison, build_comparison
+from normlab.analysis.render.exports import FIGURE_FORMATS
+from normlab.analysis.render.ranking import terminal_summary
+from normlab.analysis.read.runs import CONFIG, METRICS, SUMMARY, CompareError, find_run_dirs
+from normlab.analysis.render.workspace import EXTRA, SPEC, check_installed, save_workspaces
 from normlab.util.errors import fail
 
 
@@ -58,9 +58,9 @@ def write_comparison(paths: list[str], out: str | os.PathLike | None = None,
     if not run_dirs:
         raise CompareError(f"no runs under {', '.join(map(str, paths))}: a run dir holds {SUMMARY}, {METRICS} or {CONFIG}")
     # matplotlib only once there are runs to draw: `normlab compare --help` and bad input stay fast
-    from normlab.analysis.exports import write_exports
-    from normlab.analysis.plots import write_plots
-    from normlab.analysis.report import write_report
+    from normlab.analysis.render.exports import write_exports
+    from normlab.analysis.render.plots import write_plots
+    from normlab.analysis.render.report import write_report
 
     comparison = build_comparison(run_dirs)
     report_dir = Path(out) if out is not None else default_report_dir(paths, run_dirs)

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from normlab import keys
-from normlab.analysis.records import METRICS, METRICS_CSV
-from normlab.analysis.runs import CONFIG, SUMMARY, CompareError, find_run_dirs
+from normlab.analysis.read.records import METRICS, METRICS_CSV
+from normlab.analysis.read.runs import CONFIG, SUMMARY, CompareError, find_run_dirs
 from normlab.util.files import exclusive, flock_holders
 
 SWEEP_MARKS = ("multirun.yaml", "sweep.log")  # a dir holding one of these is a sweep dir (Hydra's, normlab's)
@@ -156,7 +156,7 @@ def shown(path: str) -> str:
 
 def lines(runs: list[Listed]) -> list[str]:
     """The table of runs, then a line per sweep summing its runs up by status."""
-    from normlab.analysis.terminal import aligned
+    from normlab.analysis.render.terminal import aligned
 
     rows = [[r.status, f"{'-' if r.step is None else r.step}/{'-' if r.max_steps is None else r.max_steps}",
              "-" if r.final_val_loss is None else f"{r.final_val_loss:.4f}", duration(r.wall_s), duration(r.age_s),

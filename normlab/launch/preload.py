@@ -19,7 +19,7 @@ except ImportError:
 
 import torch  # noqa: F401  (seconds)
 
-import normlab.analysis.heatmap  # noqa: F401  (matplotlib, for the end-of-run heatmaps)
+import normlab.analysis.render.heatmap  # noqa: F401  (matplotlib, for the end-of-run heatmaps)
 import normlab.launch.task  # noqa: F401
 import normlab.train.pack  # noqa: F401
 import normlab.train.run  # noqa: F401

@@ -41,7 +41,7 @@ class TelemetryProducts(Callback):
     def write(self) -> None:
         """Make the table and the heatmaps of the records kept so far and hand them to every sink."""
         # Here, not at the top: it imports matplotlib, slow and needed only at the end of a completed run.
-        from normlab.analysis.heatmap import layer_heatmap
+        from normlab.analysis.render.heatmap import layer_heatmap
 
         columns, rows = keys.layer_table(self.records)
         titles = {stat: title for stat, _, title in keys.LAYER_PROFILES}

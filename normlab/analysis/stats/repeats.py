@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from normlab.analysis.runs import SUMMARY, Run
+from normlab.analysis.read.runs import SUMMARY, Run
 from normlab.config import bookkeeping_keys
 
 

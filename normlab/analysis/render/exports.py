@@ -17,10 +17,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from normlab.analysis.arms import ArmResult, mean_std
-from normlab.analysis.comparison import Comparison
-from normlab.analysis.ranking import MARKS, MISSING, header, ranking
-from normlab.analysis.runs import MEASURES, Run
+from normlab.analysis.stats.arms import ArmResult, mean_std
+from normlab.analysis.stats.comparison import Comparison
+from normlab.analysis.render.ranking import MARKS, MISSING, header, ranking
+from normlab.analysis.read.runs import MEASURES, Run
 from normlab.util.files import write_bytes_atomic
 
 EXPORTS = ("arms.csv", "arms.json", "runs.csv", "runs.json")

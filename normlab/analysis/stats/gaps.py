@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from normlab.analysis.arms import Arm, ArmResult
-from normlab.analysis.intervals import Interval, difference
+from normlab.analysis.stats.arms import Arm, ArmResult
+from normlab.analysis.stats.intervals import Interval, difference
 
 
 def seed_losses(result: ArmResult) -> dict[Any, float]:

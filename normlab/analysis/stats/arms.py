@@ -16,8 +16,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-from normlab.analysis.runs import Run
-from normlab.analysis.stability import ArmStability, arm_stability
+from normlab.analysis.read.runs import Run
+from normlab.analysis.stats.stability import ArmStability, arm_stability
 from normlab.config import NORMS, PLACEMENTS, bookkeeping_keys, format_lr, reads_key
 from normlab.keys import to_float
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from normlab.analysis.comparison import Comparison
-from normlab.analysis.runs import CONFIG, CompareError
+from normlab.analysis.stats.comparison import Comparison
+from normlab.analysis.read.runs import CONFIG, CompareError
 
 EXTRA = "pip install 'normlab[workspace]'"  # what --wandb needs installed
 SPEC = "wandb_workspace.json"  # the views' spec, where --wandb cannot save them to wandb

@@ -17,13 +17,13 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator, NullFormatter
 
 from normlab import keys
-from normlab.analysis.arms import ArmResult, mean_std
-from normlab.analysis.comparison import Comparison
-from normlab.analysis.exports import FIGURE_FORMATS
-from normlab.analysis.figures import FONT, FORMATS, Grid, Layout, columns, log_if_wide
-from normlab.analysis.runs import Run
-from normlab.analysis.scale_plot import draw_scale
-from normlab.analysis.stability_plot import draw_stability
+from normlab.analysis.stats.arms import ArmResult, mean_std
+from normlab.analysis.stats.comparison import Comparison
+from normlab.analysis.render.exports import FIGURE_FORMATS
+from normlab.analysis.render.figures import FONT, FORMATS, Grid, Layout, columns, log_if_wide
+from normlab.analysis.read.runs import Run
+from normlab.analysis.render.scale_plot import draw_scale
+from normlab.analysis.render.stability_plot import draw_stability
 from normlab.config import format_lr
 
 LOSS_CURVES = (("loss", "loss_train.png", "training loss"), ("val_loss", "loss_val.png", "validation loss"))

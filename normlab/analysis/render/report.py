@@ -13,14 +13,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from normlab.analysis.arms import mean_std
-from normlab.analysis.comparison import Comparison
-from normlab.analysis.effects_section import effects_section
-from normlab.analysis.figures import Layout
-from normlab.analysis.plots import FOCUS, Plot
-from normlab.analysis.ranking import answer, common_line, definitions, markdown_table, ranking
-from normlab.analysis.ranking import header as ranking_header
-from normlab.analysis.runs import MEASURES
+from normlab.analysis.stats.arms import mean_std
+from normlab.analysis.stats.comparison import Comparison
+from normlab.analysis.render.effects_section import effects_section
+from normlab.analysis.render.figures import Layout
+from normlab.analysis.render.plots import FOCUS, Plot
+from normlab.analysis.render.ranking import answer, common_line, definitions, markdown_table, ranking
+from normlab.analysis.render.ranking import header as ranking_header
+from normlab.analysis.read.runs import MEASURES
 from normlab.config import NORM_TRAITS, format_lr
 
 MISSING = "—"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from normlab.analysis.arms import ArmResult
+from normlab.analysis.stats.arms import ArmResult
 from normlab.config import format_lr
 
 ROUND = (1.0, 2.0, 3.0, 5.0)

@@ -15,9 +15,9 @@ from matplotlib import colormaps
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from normlab.analysis.comparison import Comparison
-from normlab.analysis.figures import FONT, Grid, Layout, log_if_wide
-from normlab.analysis.stability import SPIKE_K, SPIKE_WINDOW, RunStability, run_stability
+from normlab.analysis.stats.comparison import Comparison
+from normlab.analysis.render.figures import FONT, Grid, Layout, log_if_wide
+from normlab.analysis.stats.stability import SPIKE_K, SPIKE_WINDOW, RunStability, run_stability
 from normlab.config import format_lr
 
 PANELS = (

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from normlab.analysis.arms import Arm, dim_order
+from normlab.analysis.stats.arms import Arm, dim_order
 
 FORMATS: ContextVar[tuple[str, ...]] = ContextVar("FORMATS", default=("png",))  # what Grid.save writes (plots.write_plots sets it)
 STYLES = ("-", "--", ":", "-.")

@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from normlab.analysis.arms import Arm, ArmResult, arm_keys, arm_of, common_settings, labelled, summarize_arm, varying_dims
-from normlab.analysis.bracketing import bracket_notes
-from normlab.analysis.factors import FactorEffect, factor_effects
-from normlab.analysis.gaps import gaps_to_best, seed_count_note
-from normlab.analysis.intervals import Interval
-from normlab.analysis.presets import named_presets
-from normlab.analysis.records import METRICS
-from normlab.analysis.repeats import drop_repeats
-from normlab.analysis.runs import CompareError, Run, load_run
+from normlab.analysis.stats.arms import Arm, ArmResult, arm_keys, arm_of, common_settings, labelled, summarize_arm, varying_dims
+from normlab.analysis.stats.bracketing import bracket_notes
+from normlab.analysis.stats.factors import FactorEffect, factor_effects
+from normlab.analysis.stats.gaps import gaps_to_best, seed_count_note
+from normlab.analysis.stats.intervals import Interval
+from normlab.analysis.stats.presets import named_presets
+from normlab.analysis.read.records import METRICS
+from normlab.analysis.stats.repeats import drop_repeats
+from normlab.analysis.read.runs import CompareError, Run, load_run
 
 EPS_RATIO_PREFIX = "norm/eps_ratio/"  # telemetry's input RMS / Norm.eps_rms per norm slot (normlab.telemetry.norms)
 

@@ -18,9 +18,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from normlab.analysis.arms import NORM, PLACEMENT, ArmResult, dim_order
-from normlab.analysis.gaps import interval_text, signed
-from normlab.analysis.intervals import Interval, mean_interval
+from normlab.analysis.stats.arms import NORM, PLACEMENT, ArmResult, dim_order
+from normlab.analysis.stats.gaps import interval_text, signed
+from normlab.analysis.stats.intervals import Interval, mean_interval
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from normlab.analysis.runs import ATTN_LOGIT_MAX, Run
+from normlab.analysis.read.runs import ATTN_LOGIT_MAX, Run
 
 SPIKE_K = 6.0  # standard deviations above the running mean (OLMo-core's threshold_std)
 SPIKE_WINDOW = 20  # logged training losses the running mean and std are taken over

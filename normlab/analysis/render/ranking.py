@@ -11,14 +11,14 @@ import math
 import textwrap
 from typing import Any
 
-from normlab.analysis.arms import ArmResult, mean_std, sensitivity_reason, setting_text
-from normlab.analysis.bracketing import edge
-from normlab.analysis.comparison import Comparison
-from normlab.analysis.factors import factor_line
-from normlab.analysis.gaps import interval_text, over, signed, verdict
-from normlab.analysis.runs import MEASURES
-from normlab.analysis.stability import SPIKE_K, SPIKE_WINDOW
-from normlab.analysis.terminal import WIDTH, fitted
+from normlab.analysis.stats.arms import ArmResult, mean_std, sensitivity_reason, setting_text
+from normlab.analysis.stats.bracketing import edge
+from normlab.analysis.stats.comparison import Comparison
+from normlab.analysis.stats.factors import factor_line
+from normlab.analysis.stats.gaps import interval_text, over, signed, verdict
+from normlab.analysis.read.runs import MEASURES
+from normlab.analysis.stats.stability import SPIKE_K, SPIKE_WINDOW
+from normlab.analysis.render.terminal import WIDTH, fitted
 from normlab.config import format_lr
 
 MISSING = "—"

@@ -3,11 +3,11 @@ pivots of final loss (factors.py computes them)."""
 
 from __future__ import annotations
 
-from normlab.analysis.comparison import Comparison
-from normlab.analysis.factors import pivots
-from normlab.analysis.gaps import interval_text, signed
-from normlab.analysis.ranking import markdown_table
-from normlab.analysis.runs import MEASURES
+from normlab.analysis.stats.comparison import Comparison
+from normlab.analysis.stats.factors import pivots
+from normlab.analysis.stats.gaps import interval_text, signed
+from normlab.analysis.render.ranking import markdown_table
+from normlab.analysis.read.runs import MEASURES
 
 HEADER = ("factor", "level", "minus the best level", "95% interval", "matched settings", "vs best level")
 

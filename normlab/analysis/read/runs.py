@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from normlab import keys
-from normlab.analysis.records import METRICS, METRICS_FILES, layer_series, number_text, read_records
+from normlab.analysis.read.records import METRICS, METRICS_FILES, layer_series, number_text, read_records
 from normlab.config import flatten_config
 from normlab.util.errors import one_line
 

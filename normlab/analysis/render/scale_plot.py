@@ -15,10 +15,10 @@ from pathlib import Path
 
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from normlab.analysis.arms import ArmResult, dim_order
-from normlab.analysis.comparison import Comparison
-from normlab.analysis.figures import FONT, Grid, Layout
-from normlab.analysis.gaps import seed_losses
+from normlab.analysis.stats.arms import ArmResult, dim_order
+from normlab.analysis.stats.comparison import Comparison
+from normlab.analysis.render.figures import FONT, Grid, Layout
+from normlab.analysis.stats.gaps import seed_losses
 
 SCALE_KEYS = {"depth": "depth (blocks)", "model.d_model": "width (model.d_model)"}
 PARAMS = "n_params"  # summary.json's parameter count

@@ -151,14 +151,14 @@ def test_causal_stat_rows_of_one_sequence_is_refused():
 
 
 def test_the_twins_script_measures_twin_runs_that_agree(tmp_path, text_data, monkeypatch, capsys, one_thread):
-    """scripts/batchnorm_twins.py, one placement, 2 steps: each row holds three computed differences,
+    """scripts/repro/batchnorm_twins.py, one placement, 2 steps: each row holds three computed differences,
     all small (the twins are the same model up to rounding). Run as __main__ in this process (a fresh Python
     would import torch again, seconds of CPU); one_thread restores the thread count it sets."""
     import runpy
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "batchnorm_twins.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "repro" / "batchnorm_twins.py"
     args = ["--steps", "2", "--placements", "pre", "--text", text_data.files[0]]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [str(script), *args])

@@ -272,7 +272,7 @@ def test_compare_bench_writes_realistic_runs_and_times_compare(tmp_path):
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "compare_bench.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "compare.py"
     out = subprocess.run([sys.executable, str(script), "--grid", "norm=none,rms lr=1e-3,1e-1 seed=0,1", "--steps", "60",
                           "--repeats", "1", "--keep", str(tmp_path / "runs")], capture_output=True, text=True, check=True).stdout
     assert out.startswith("8 run dirs, ")

@@ -1,4 +1,4 @@
-"""scripts/gpu_acceptance.py on the CPU (--smoke): the JSON and table it keeps, stage by stage, and what it records
+"""scripts/gpu/acceptance.py on the CPU (--smoke): the JSON and table it keeps, stage by stage, and what it records
 for a stage that fails, runs past its budget, or is cut off by SIGTERM, and for a sweep whose runs fail. The whole
 smoke run takes minutes; these run its quickest stage (the suite's smoke subset), stop the others early, and
 stand a fake in for the sweeps' commands."""
@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(SCRIPTS / "gpu"))
 
-import acceptance_stages  # noqa: E402
-import gpu_acceptance  # noqa: E402
-import sweep_bench  # noqa: E402
+import acceptance as gpu_acceptance  # noqa: E402
+import acceptance_stages  # noqa: E402  (it puts scripts/bench/ on sys.path)
+import sweep_throughput  # noqa: E402
 
 KEYS = {"name", "value", "unit", "target", "met", "reference", "command", "detail"}
 
 
 def start(out: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPTS / "gpu_acceptance.py"), "--smoke", "--out", str(out), *args],
+    return subprocess.Popen([sys.executable, str(SCRIPTS / "gpu/acceptance.py"), "--smoke", "--out", str(out), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "WANDB_MODE": "disabled"})
 
@@ -117,7 +117,7 @@ def fake_sweeps(monkeypatch, sweeps: dict[str, dict[str, dict]]) -> None:
             (sweep_dir / str(i) / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 2.5}) + "\n")
         return 38.65, {name: {"name": name, **summary} for name, summary in sweeps[sweep_dir.name].items()}
 
-    monkeypatch.setattr(sweep_bench, "run_sweep", run_sweep)
+    monkeypatch.setattr(sweep_throughput, "run_sweep", run_sweep)
 
 
 def test_a_pack_whose_members_failed_reports_no_wall_time_and_compares_nothing(tmp_path, monkeypatch):
@@ -150,9 +150,9 @@ def test_a_sweep_with_a_failed_job_reports_no_wall_time_and_a_diverged_arm_is_an
 
 
 def test_unfinished_counts_the_runs_that_wrote_no_summary():
-    assert sweep_bench.unfinished({"a": DONE}, 1, "jobs") is None
-    assert sweep_bench.unfinished({"a": DONE}, 3, "jobs") == "2 of 3 jobs wrote no summary.json"
-    assert sweep_bench.unfinished({"a": {"status": "preempted"}}, 2, "jobs") == "2 of 2 jobs preempted/wrote no summary.json"
+    assert sweep_throughput.unfinished({"a": DONE}, 1, "jobs") is None
+    assert sweep_throughput.unfinished({"a": DONE}, 3, "jobs") == "2 of 3 jobs wrote no summary.json"
+    assert sweep_throughput.unfinished({"a": {"status": "preempted"}}, 2, "jobs") == "2 of 2 jobs preempted/wrote no summary.json"
 
 
 def test_a_stage_gets_the_time_the_stages_before_it_left_unused():

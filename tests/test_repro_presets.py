@@ -58,7 +58,7 @@ def test_xiong2020_is_pre_against_post_layernorm_with_xavier_at_depth_12_with_an
 
 
 def test_xiong2020_init_sweep_of_the_script_is_one_step_per_seed_and_placement(preset_jobs, checked):
-    # scripts/xiong2020.sh's first sweep: the command line's lr and warmup replace the preset's axes.
+    # scripts/repro/xiong2020.sh's first sweep: the command line's lr and warmup replace the preset's axes.
     overrides = ("max_steps=1", "optim.warmup_steps=0", "eval_batches=1", "seed=0,1,2,3,4,5,6,7")
     _, jobs = preset_jobs("xiong2020", *overrides)
     assert sorted((j.placement, j.seed) for j in jobs) == sorted((p, s) for p in ("pre", "post") for s in range(8))

@@ -1,10 +1,10 @@
 """Smoke tests of scripts/: each benchmark or measurement script runs one tiny round end to end, as __main__ in
 this process, and the normlab commands it starts run here too (tests/inprocess.py: each process would import
-torch, Hydra and matplotlib again, 5 to 10 s of CPU), bench.py's variants too (a fresh process each, when
+torch, Hydra and matplotlib again, 5 to 10 s of CPU), step_speed.py's variants too (a fresh process each, when
 measuring: their figures are not asserted here). The exception: startup.py, which times processes, runs its
 commands as real processes.
 
-The scripts rebuild parts of the training loop (bench.py's window clock and reference loop, the
+The scripts rebuild parts of the training loop (step_speed.py's window clock and reference loop, the
 checkpoint components, the sweep's summaries), so a change to normlab that breaks them should fail
 here. Each test asserts the script's table holds computed figures, not only that it exited 0.
 """
@@ -71,8 +71,8 @@ def row(out: str, label: str, columns: int) -> list[float]:
 
 
 def test_bench_compares_normlab_with_the_reference_loop(tmp_path, commands, script_here):
-    commands.intercept(scripts=True)  # its variants (`python bench.py --worker SPEC`, a process each) run here too
-    out = script_here("bench.py", *TINY, "log_every=2", "--rounds", "1", "--windows", "1", "--threads", "1",
+    commands.intercept(scripts=True)  # its variants (`python step_speed.py --worker SPEC`, a process each) run here too
+    out = script_here("bench/step_speed.py", *TINY, "log_every=2", "--rounds", "1", "--windows", "1", "--threads", "1",
                  "--peak-size", "64", "--only", "ref fp32,normlab fp32", cwd=tmp_path)
     assert "model: 2 blocks, width 32, 2 heads, seq 16, batch 4" in out  # the overrides reached the config
     assert "peak matmul (64² @ 64²" in out
@@ -87,7 +87,7 @@ def test_bench_compares_normlab_with_the_reference_loop(tmp_path, commands, scri
 
 
 def test_bench_inprocess_times_the_three_loops(tmp_path, script_here):
-    out = script_here("bench_inprocess.py", *TINY, "log_every=2", "--rounds", "1", "--windows", "1", cwd=tmp_path)
+    out = script_here("bench/step_speed_inprocess.py", *TINY, "log_every=2", "--rounds", "1", "--windows", "1", cwd=tmp_path)
     assert "1 rounds x 1 windows" in out
     assert row(out, "ref", 2)[1] == 1.0  # ref / ref
     for loop in ("ref loop, normlab GPT", "normlab"):
@@ -96,7 +96,7 @@ def test_bench_inprocess_times_the_three_loops(tmp_path, script_here):
 
 
 def test_bench_telemetry_times_the_three_intervals_and_counts_a_telemetry_steps_ops(tmp_path, script_here):
-    out = script_here("bench_telemetry.py", "--rounds", "1", "--windows", "1", "--every", "2", "--threads", "1",
+    out = script_here("bench/telemetry_cost.py", "--rounds", "1", "--windows", "1", "--every", "2", "--threads", "1",
                  "--batch", "2", "--seq", "16", "--isolated", "2", "--processes", "1", "--ops", "--ops-batch", "2",
                  "--ops-seq", "8", cwd=tmp_path)
     assert "batch 2 x seq 16" in out and "1 rounds x 1 windows of 2 steps" in out
@@ -114,7 +114,7 @@ def test_bench_telemetry_times_the_three_intervals_and_counts_a_telemetry_steps_
 
 
 def test_telemetry_profile_profiles_a_telemetry_step_beside_a_plain_one(tmp_path, script_here):
-    out = script_here("telemetry_profile.py", "--cpu", "--shape", "tiny", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    out = script_here("bench/telemetry_profile.py", "--cpu", "--shape", "tiny", "--out", str(tmp_path / "out"), cwd=tmp_path)
     assert "step 9 (plain) and step 10 (telemetry), cpu" in out
     figures = {}
     for step in ("plain", "telemetry"):
@@ -126,7 +126,7 @@ def test_telemetry_profile_profiles_a_telemetry_step_beside_a_plain_one(tmp_path
 
 
 def test_telemetry_host_splits_what_a_telemetry_step_adds_by_phase(tmp_path, script_here):
-    out = script_here("telemetry_host.py", "--pairs", "2", "--processes", "1", "--sinks", "jsonl", "--ops", cwd=tmp_path)
+    out = script_here("bench/telemetry_host.py", "--pairs", "2", "--processes", "1", "--sinks", "jsonl", "--ops", cwd=tmp_path)
     assert "(8 blocks, 8 heads) at width 16, batch 8 x seq 16, cpu bf16, eager, 1 torch thread, sinks jsonl" in out
     line = next(line for line in out.splitlines() if line.startswith("this tree "))
     cells = [(float(w), float(c), int(o)) for w, c, o in re.findall(r"(-?\d+\.\d+)/(-?\d+\.\d+)/(-?\d+)", line)]
@@ -139,7 +139,7 @@ def test_telemetry_host_splits_what_a_telemetry_step_adds_by_phase(tmp_path, scr
 
 
 def test_checkpoint_cost_saves_and_restores_the_tiny_model(tmp_path, script_here):
-    out = script_here("checkpoint_cost.py", "tiny", "2", cwd=tmp_path)
+    out = script_here("bench/checkpoint.py", "tiny", "2", cwd=tmp_path)
     assert "model=tiny depth=2 d_model=32" in out
     size = float(re.search(rf"checkpoint size: {NUMBER} MiB", out).group(1))
     save = float(re.search(rf"save \(write, fsync, rename\): median {NUMBER} ms over 2", out).group(1))
@@ -148,14 +148,14 @@ def test_checkpoint_cost_saves_and_restores_the_tiny_model(tmp_path, script_here
 
 
 def test_heatmap_cost_times_fresh_and_reused_figures_and_finds_the_same_pngs(tmp_path, script_here):
-    out = script_here("heatmap_cost.py", "--repeats", "1", cwd=tmp_path)
+    out = script_here("bench/heatmap.py", "--repeats", "1", cwd=tmp_path)
     fresh, reused = row(out, "fresh", 1)[0], row(out, "reused", 1)[0]
     assert 0 < fresh < 10 and 0 < reused < 10
     assert "same PNG bytes: True" in out
 
 
 def test_future_leak_finds_batchnorm_the_only_leak(tmp_path, script_here):
-    out = script_here("future_leak.py", "--batch", "2", "--seq", "16", "--t", "7", cwd=tmp_path)
+    out = script_here("repro/future_leak.py", "--batch", "2", "--seq", "16", "--t", "7", cwd=tmp_path)
     assert "batch 2 × 16, tokens after t=7 changed" in out
     train_leak, eval_leak, scale = row(out, "batch", 3)
     assert train_leak > 0 and eval_leak == 0 and scale > 0  # batch statistics mix positions in training mode
@@ -164,7 +164,7 @@ def test_future_leak_finds_batchnorm_the_only_leak(tmp_path, script_here):
 
 
 def test_norm_throughput_times_every_norm(tmp_path, script_here):
-    out = script_here("norm_throughput.py", "--steps", "1", "--batch", "2", "--seq", "16", cwd=tmp_path)
+    out = script_here("bench/norm_throughput.py", "--steps", "1", "--batch", "2", "--seq", "16", cwd=tmp_path)
     assert "batch 2 × 16" in out
     for label in [*NORMS, "batch_causal"]:
         (tokens_per_s,) = row(out, label, 1)
@@ -172,7 +172,7 @@ def test_norm_throughput_times_every_norm(tmp_path, script_here):
 
 
 def test_startup_times_help_and_a_sweep(tmp_path):
-    out = script("startup.py", "--jobs", "2", "--steps", "2", "--repeats", "1", *TINY[1:],
+    out = script("bench/startup.py", "--jobs", "2", "--steps", "2", "--repeats", "1", *TINY[1:],
                  "wandb.mode=disabled", "telemetry.every=0", cwd=tmp_path)
     for command in ("normlab --help", "normlab train --help"):
         assert float(re.search(rf"{command}\s+{NUMBER} s", out).group(1)) > 0
@@ -186,7 +186,7 @@ def test_plot_xiong2020_reads_a_real_sweep(tmp_path, commands, script_here):
     train = commands.run(["normlab", "train", "-m", *TINY, "max_steps=2", "placement=pre,post", "wandb.mode=disabled",
                           "progress=false", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
-    out = script_here("plot_xiong2020.py", "--init", str(sweep), "--runs", str(sweep), "--out", str(tmp_path / "report"),
+    out = script_here("repro/plot_xiong2020.py", "--init", str(sweep), "--runs", str(sweep), "--out", str(tmp_path / "report"),
                  cwd=tmp_path)
     for name in ("Pre-LN", "Post-LN"):  # step 0's FFN gradient of both blocks, from the telemetry
         grads = re.search(rf"{name} \(1 seeds\): L1:{NUMBER}\s+L2:{NUMBER}", out)
@@ -199,7 +199,7 @@ def test_plot_xiong2020_reads_a_real_sweep(tmp_path, commands, script_here):
 
 def test_xiong2020_fig3_tables_the_step0_ffn_gradients_of_both_placements(tmp_path, commands, script_here):
     commands.intercept()  # its normlab sweep runs in this process too
-    out = script_here("xiong2020_fig3.py", "--widths", "32", "--seeds", "2", "--out", str(tmp_path / "fig3"),
+    out = script_here("repro/xiong2020_fig3.py", "--widths", "32", "--seeds", "2", "--out", str(tmp_path / "fig3"),
                  "depth=2", "seq_len=16", "device=cpu", "batch_size=4", cwd=tmp_path)
     for name in ("Post-LN", "Pre-LN"):
         line = next(l for l in out.splitlines() if l.startswith(f"| 32 | {name} |"))
@@ -211,14 +211,14 @@ def test_xiong2020_fig3_tables_the_step0_ffn_gradients_of_both_placements(tmp_pa
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA it measures for minutes")
 def test_bench_gpu_says_in_one_line_that_there_is_no_gpu(tmp_path, script_here):
-    out = script_here("bench_gpu.py", "--rounds", "1", cwd=tmp_path)
-    assert out.splitlines() == ["bench_gpu: no CUDA device: nothing to measure"]
+    out = script_here("bench/step_speed_gpu.py", "--rounds", "1", cwd=tmp_path)
+    assert out.splitlines() == ["step_speed_gpu.py: no CUDA device: nothing to measure"]
 
 
 def test_bench_gpu_runs_its_reference_and_normlab_variants_on_the_cpu_when_asked(tmp_path, script_here):
     """--cpu: the GPU benchmark's own code (reference loop, normlab runs, table) runs here, figures aside."""
     variants = ["ref eager", "normlab eager", "normlab eager telemetry/2", "normlab eager deterministic"]
-    out = script_here("bench_gpu.py", "--cpu", "--shapes", "tiny", "--rounds", "1", "--windows", "2", "--every", "2",
+    out = script_here("bench/step_speed_gpu.py", "--cpu", "--shapes", "tiny", "--rounds", "1", "--windows", "2", "--every", "2",
                  "--precision", "fp32", "--peak-size", "128", "--deterministic", "--only", ",".join(variants), cwd=tmp_path)
     rows = {}
     for line in out.splitlines():
@@ -236,7 +236,7 @@ def test_bench_gpu_runs_its_reference_and_normlab_variants_on_the_cpu_when_asked
 
 def test_sweep_bench_times_a_sweep_per_setting_and_compares_its_losses(tmp_path, commands, script_here):
     commands.intercept()  # its three normlab sweeps run in this process too
-    out = script_here("sweep_bench.py", "--per-gpu", "1,2", "--mps", "false,true", "norm=layer,rms", "model=tiny",
+    out = script_here("bench/sweep_throughput.py", "--per-gpu", "1,2", "--mps", "false,true", "norm=layer,rms", "model=tiny",
                       "max_steps=2", "batch_size=4", "seq_len=16", "eval_batches=1", "wandb.mode=disabled", "device=cpu",
                       cwd=tmp_path)
     lines = [line for line in out.splitlines() if line.startswith("jobs_per_gpu=")]
@@ -247,7 +247,7 @@ def test_sweep_bench_times_a_sweep_per_setting_and_compares_its_losses(tmp_path,
 
 
 def test_pack_bench_times_runs_and_both_batchings(tmp_path, script_here):
-    out = script_here("pack_bench.py", "--steps", "2", "--lrs", "1e-3", "--seeds", "0,1", "--rounds", "1",
+    out = script_here("bench/pack.py", "--steps", "2", "--lrs", "1e-3", "--seeds", "0,1", "--rounds", "1",
                  "--kernel-steps", "1", "--overrides", "batch_size=4", "seq_len=16", "eval_batches=1", cwd=tmp_path)
     assert "2 runs of model=tiny" in out
     sequential, per_run, packed, ratio = map(float, re.search(
@@ -262,7 +262,7 @@ def test_pack_bench_times_runs_and_both_batchings(tmp_path, script_here):
 
 
 def test_pack_bench_compares_the_packed_attention_paths(tmp_path, script_here):
-    out = script_here("pack_bench.py", "--attention", "--precisions", "fp32,bf16", "--lrs", "1e-3", "--seeds", "0,1",
+    out = script_here("bench/pack.py", "--attention", "--precisions", "fp32,bf16", "--lrs", "1e-3", "--seeds", "0,1",
                       "--rounds", "1", "--kernel-steps", "1", "--overrides", "batch_size=2", "seq_len=16", cwd=tmp_path)
     for precision in ("fp32", "bf16"):
         lines = {path: line for line in out.splitlines() if line.startswith(f"attention {precision}: ")
@@ -280,10 +280,10 @@ def test_pack_bench_compares_the_packed_attention_paths(tmp_path, script_here):
 
 
 def test_pack_bench_refuses_an_unknown_precision(tmp_path, commands):
-    result = commands.run([sys.executable, SCRIPTS / "pack_bench.py", "--attention", "--precisions", "fp32,fp8"],
+    result = commands.run([sys.executable, SCRIPTS / "bench/pack.py", "--attention", "--precisions", "fp32,fp8"],
                           tmp_path, {**os.environ, "WANDB_MODE": "disabled"})
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip() == "pack_bench: --precisions 'fp32,fp8': each must be fp32, bf16 or fp16"
+    assert result.stderr.strip() == "pack.py: --precisions 'fp32,fp8': each must be fp32, bf16 or fp16"
 
 
 # ------------------------------------------------ the CPU-size reproductions: each script end to end, at a tiny size
@@ -309,7 +309,7 @@ def shell_script(commands):
 
 
 def test_wortsman2023_cpu_tables_every_arm_over_the_lrs_and_draws_the_figure_into_docs(tmp_path, shell_script):
-    out = shell_script("wortsman2023_cpu.sh", *TINY_REPRO, "lr=1e-3,1e-1", cwd=tmp_path)
+    out = shell_script("repro/wortsman2023_cpu.sh", *TINY_REPRO, "lr=1e-3,1e-1", cwd=tmp_path)
     arms = [f"{arm} qk_norm={qk}" for arm, qk in (("layer-pre", False), ("layer-pre", True), ("layer-post", False),
                                                   ("layer-post", True), ("rms-pre", False), ("dyt-pre", False))]  # fmt: skip
     for arm in arms:
@@ -321,7 +321,7 @@ def test_wortsman2023_cpu_tables_every_arm_over_the_lrs_and_draws_the_figure_int
 
 
 def test_xiong2020_warmup_cpu_runs_post_ln_at_three_warmups_and_pre_ln_without(tmp_path, shell_script):
-    out = shell_script("xiong2020_warmup_cpu.sh", *TINY_REPRO, cwd=tmp_path)
+    out = shell_script("repro/xiong2020_warmup_cpu.sh", *TINY_REPRO, cwd=tmp_path)
     for run in ("layer-post optim.warmup_steps=0 lr=1e-3", "layer-post optim.warmup_steps=50 lr=1e-3",
                 "layer-post optim.warmup_steps=400 lr=1e-3", "layer-pre optim.warmup_steps=0 lr=1e-3"):  # fmt: skip
         at_init, final = row(out, run, 2)  # validation at steps 0 and 2
@@ -331,7 +331,7 @@ def test_xiong2020_warmup_cpu_runs_post_ln_at_three_warmups_and_pre_ln_without(t
 
 
 def test_zhu2025_cpu_compares_dyt_at_its_alpha_with_layernorm_and_rmsnorm(tmp_path, shell_script):
-    out = shell_script("zhu2025_cpu.sh", *TINY_REPRO, "lr=1e-3", cwd=tmp_path)
+    out = shell_script("repro/zhu2025_cpu.sh", *TINY_REPRO, "lr=1e-3", cwd=tmp_path)
     for arm in ("layer-pre", "rms-pre", "dyt-pre norm.alpha_attn=0.8 norm.alpha_final=0.2 norm.alpha_mlp=0.2"):
         loss, init, best = row(out, arm, 3)
         assert loss == best and 0 < loss < init + 1
@@ -372,7 +372,7 @@ def test_depth_block_angle_tables_each_placement_at_its_best_lr_and_draws_both_p
     write_run(sweep, "2_pre_hi", "pre", 1e-2, 0, 3.0, end([1, 1, 1], [99, 99, 99], [9, 9, 9]))
     for seed in (0, 1):
         write_run(sweep, f"3_lns_s{seed}", "lns", 3e-3, seed, 2.4, end([30, 30, 30], [8, 6, 7], [1, 1, 1]))
-    out = script_here("depth_block_angle.py", str(sweep), "--figure", str(tmp_path / "angle.png"), cwd=tmp_path)
+    out = script_here("repro/depth_block_angle.py", str(sweep), "--figure", str(tmp_path / "angle.png"), cwd=tmp_path)
     table = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ") for line in out.splitlines()[:4]}
     # pre at lr 3e-3 (mean 2.6), not at 1e-2 (3.0); its end figures are the two seeds' means, per block.
     assert table["pre (Pre-LN)"] == ["pre (Pre-LN)", "3e-3", "2", "2.600 ± 0.141", "45.0 / 15.0", "5 (block 3)",
@@ -393,7 +393,7 @@ def test_depth_block_angle_tables_the_papers_variants_and_names_eps_dominated_no
                      9: {"act/block_angle": [10, 20], "act/block_angle_last": [14, 40],
                          "act/top_median": [6, 1000], "norm/eps_ratio": [2, 3]}}
         write_run(sweep, f"{seed}_reordered", "reordered", 3e-3, seed, 2.5, telemetry)
-    out = script_here("depth_block_angle.py", str(sweep), cwd=tmp_path)
+    out = script_here("repro/depth_block_angle.py", str(sweep), cwd=tmp_path)
     last = out[out.index("act/block_angle_last"):]
     assert "| reordered (OLMo 2) | 14 | 40 |" in last
     assert "| reordered (OLMo 2) | 6 | 1e+03 |" in out[out.index("(act/top_median)"):]
@@ -404,13 +404,13 @@ def test_depth_block_angle_tables_the_papers_variants_and_names_eps_dominated_no
 def test_depth_block_angle_says_in_one_line_when_no_run_logged_the_block_angle(tmp_path, script_here):
     sweep = tmp_path / "sweep"
     write_run(sweep, "0_pre", "pre", 3e-3, 0, 2.5, {0: {"act/resid_rms": [1, 2]}, 9: {"act/resid_rms": [1, 3]}})
-    out = script_here("depth_block_angle.py", str(sweep), "--figure", str(tmp_path / "angle.png"), cwd=tmp_path)
+    out = script_here("repro/depth_block_angle.py", str(sweep), "--figure", str(tmp_path / "angle.png"), cwd=tmp_path)
     assert out.splitlines()[2] == "| pre (Pre-LN) | 3e-3 | 1 | 2.500 | — | — | — | 3 |"
     assert out.splitlines()[-1].startswith("no act/block_angle in these runs") and not (tmp_path / "angle.png").exists()
 
 
 def test_overhead_bench_times_both_commands_against_the_base(tmp_path):
-    out = script("overhead_bench.py", "--repeats", "1", "--jobs", "2", "--cpu-jobs", "1", "--steps", "2", *TINY[1:],
+    out = script("bench/overhead.py", "--repeats", "1", "--jobs", "2", "--cpu-jobs", "1", "--steps", "2", *TINY[1:],
                  "wandb.mode=disabled", "telemetry.every=0", cwd=tmp_path)
     assert re.search(r"^base \w+: \S+/base/normlab/__init__\.py \S+/base/normlab/conf$", out, re.M)
     for name in ("base", "new"):

@@ -102,7 +102,7 @@ def ends_in_background(run_cfg: RunConfig) -> bool:
     once (normlab.train.ending): on a GPU, whose next job's work waits on the device. Not on the CPU, where the end
     thread and the next job's training take turns at the same cores and Python's lock: on the 2-core CPU, 8 tiny
     jobs took 19.5 s with it and 19.4 s without (two workers), 23.9 s and 20.2 s one after another (two torch
-    threads a job), the end's time moving into the next job's training loop (scripts/overhead_bench.py's sweep)."""
+    threads a job), the end's time moving into the next job's training loop (scripts/bench/overhead.py's sweep)."""
     import torch  # not for `normlab train --help`
 
     return run_cfg.device.startswith("cuda") or (run_cfg.device == "auto" and torch.cuda.is_available())

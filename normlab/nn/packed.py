@@ -101,7 +101,7 @@ class PackedModel:
 
     `fold_attention`: attention runs as FoldedAttention, all members in one call of torch's fused kernel; else
     vmap batches torch's attention (on CUDA its math kernel alone: attention_kernels), which the benchmark
-    (scripts/pack_bench.py --attention) compares."""
+    (scripts/bench/pack.py --attention) compares."""
 
     def __init__(self, members: Sequence[nn.Module], fold_attention: bool = True):
         if not members:

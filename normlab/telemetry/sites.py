@@ -38,9 +38,9 @@ from normlab.telemetry.stats import (
 # hook-based Probe before it 170 ms. That stream (32 × 128 × 256 a block) is now stacked three blocks at a
 # time. CUDA has the same cap. With 1 << 24 there (64 MiB in float32) the medium preset's stream and attention
 # statistics were one chunk each, not three and two (124 fewer ops per telemetry step, counted on the CPU:
-# scripts/bench_telemetry.py --ops --ops-stack-elements 16777216), but the H100's eager telemetry overhead then
+# scripts/bench/telemetry_cost.py --ops --ops-stack-elements 16777216), but the H100's eager telemetry overhead then
 # measured 66% (call 4 of docs/benchmarks/gpu-h100.md) against 15% at 1 << 22 (call 2), fresh machines both;
-# until a GPU run compares the two caps on one machine (scripts/gpu/call5.sh), CUDA keeps the one that measured better.
+# until a GPU run compares the two caps on one machine (scripts/gpu/telemetry_cap.sh), CUDA keeps the one that measured better.
 STACK_ELEMENTS = 1 << 22
 # The attention statistics and the max/median ratio are taken on the step's first PROBE_SEQS sequences,
 # however many micro-batches hold them (grad_accum cuts the batch into consecutive chunks, so they are the

@@ -162,7 +162,7 @@ def configure_host_allocator() -> bool:
 
     With glibc's defaults, a CPU step's activations of a few MiB are mapped and unmapped again and
     again, so a step touches thousands of fresh pages (2,400-4,000 page faults per step for the
-    default model in scripts/bench.py, varying from process to process), and zeroing them costs a
+    default model in scripts/bench/step_speed.py, varying from process to process), and zeroing them costs a
     few percent of the step. With blocks of up to 32 MiB served from the heap and up to 1 GiB of free heap kept,
     steps stop faulting. Numerics are unchanged; the process's memory stays at its peak instead of
     shrinking between steps. Process-wide; a no-op (returning False) without glibc.

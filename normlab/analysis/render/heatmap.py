@@ -4,7 +4,7 @@ end-of-run images) on matplotlib's Agg canvas.
 Each thread draws on one figure per size, cleared for each heatmap (_figure): its Agg canvas keeps its renderer,
 and with it matplotlib's caches of text metrics and of parsed mathtext (the log colour bar's labels), which a new
 figure starts empty. The PNG is byte for byte a fresh figure's (tests/test_heatmap.py); a sweep's job draws two
-heatmaps in 0.129 s of CPU instead of 0.160 s (`python scripts/heatmap_cost.py`, the 2-core CPU at load 2.4)."""
+heatmaps in 0.129 s of CPU instead of 0.160 s (`python scripts/bench/heatmap.py`, the 2-core CPU at load 2.4)."""
 
 from __future__ import annotations
 

@@ -192,90 +192,10 @@ def test_through_the_command_no_api_key_is_one_warning_or_one_error_line(tmp_pat
     assert OfflineRun(tmp_path / "offline").run.run_id
 
 
-def test_the_installed_packages_are_read_once_in_a_process_and_every_run_records_them(tmp_path, no_user_wandb_settings):
-    """wandb lists the installed packages at each wandb.init (each run's requirements.txt): a sweep worker's runs
-    read them once."""
-    from types import SimpleNamespace
-
-    from normlab.train.sinks.wandb import list_packages_once
-
-    reads = []
-    util = SimpleNamespace(working_set=lambda: reads.append(1) or iter(["a==1", "b==2"]))
-    list_packages_once(util)
-    list_packages_once(util)  # a later run: not wrapped twice
-    assert [list(util.working_set()) for _ in range(3)] == [["a==1", "b==2"]] * 3 and reads == [1]
-
+def test_every_run_records_the_installed_packages(tmp_path, no_user_wandb_settings):
+    """wandb lists the installed packages of each run (its requirements.txt): a sweep worker's second run too."""
     for name in ("first", "second"):
         train(_cfg(), tmp_path / name)
     listed = [next((tmp_path / name / "wandb").glob("offline-run-*/files/requirements.txt")).read_text().splitlines()
               for name in ("first", "second")]
     assert listed[0] == listed[1] and any(line.startswith("torch==") for line in listed[0])
-    assert wandb.util.working_set.listed_once  # the sink made wandb's list one read once
-
-
-def test_a_run_looks_for_staged_launch_inputs_only_where_they_can_have_been_staged(tmp_path, no_user_wandb_settings,
-                                                                                  monkeypatch):
-    """wandb.init applies W&B Launch's staged job inputs; looking imports all of wandb.sdk.launch. Without the module
-    that stages them there are none, and neither a fresh process's wandb run nor the sink's imports it; with it, they
-    are applied."""
-    import subprocess
-    import sys
-
-    from normlab.train.sinks.wandb import LAUNCH_INPUTS
-
-    fresh = subprocess.run(
-        [sys.executable, "-c", "import sys, wandb\n"
-         "from normlab.train.sinks.wandb import apply_launch_inputs_when_staged\n"
-         "apply_launch_inputs_when_staged(wandb.Run)\n"
-         f"run = wandb.init(mode='offline', dir={str(tmp_path)!r}, settings=wandb.Settings(silent=True))\n"
-         "run.finish()\n"
-         "print(sorted(m for m in sys.modules if m.startswith('wandb.sdk.launch')))"],
-        capture_output=True, text=True, check=True, env={**os.environ, "WANDB_MODE": "offline"})
-    assert fresh.stdout.strip().splitlines()[-1] == "[]"
-
-    import importlib
-
-    staged = importlib.import_module(LAUNCH_INPUTS)
-    applied = []
-    monkeypatch.setattr(staged.StagedLaunchInputs, "apply", lambda self, run: applied.append(run.id))
-    train(_cfg(), tmp_path / "staged")
-    assert len(applied) == 1  # the run's own id
-    monkeypatch.delitem(sys.modules, LAUNCH_INPUTS)
-    train(_cfg(), tmp_path / "unstaged")
-    # The sink's run did not look: wandb's own look would import the module again (its inputs are a new, empty set).
-    assert len(applied) == 1 and LAUNCH_INPUTS not in sys.modules
-
-
-def test_a_runs_tables_import_no_pandas_yet_a_dataframe_is_still_one(tmp_path, no_user_wandb_settings):
-    """wandb.Table checks whether its data is a pandas DataFrame, importing pandas to do so: a run's tables (lists of
-    rows) are logged without importing it, as before; a DataFrame, which only an imported pandas makes, is still
-    seen as one."""
-    import subprocess
-    import sys
-
-    fresh = subprocess.run(
-        [sys.executable, "-c", "import sys, wandb\n"
-         "from normlab.train.sinks.wandb import check_dataframes_only_with_pandas\n"
-         "check_dataframes_only_with_pandas(wandb.util)\n"
-         f"run = wandb.init(mode='offline', dir={str(tmp_path)!r}, settings=wandb.Settings(silent=True))\n"
-         "run.log({'t': wandb.Table(columns=['a', 'b'], data=[[1, 2.5], [3, 4.5]])})\n"
-         "run.finish()\n"
-         "print('pandas' in sys.modules)"],
-        capture_output=True, text=True, check=True, env={**os.environ, "WANDB_MODE": "offline"})
-    assert fresh.stdout.strip().splitlines()[-1] == "False"
-    logged = next(tmp_path.glob("wandb/offline-run-*/files/media/table/t_0_*.table.json"))
-    assert json.loads(logged.read_text())["data"] == [[1, 2.5], [3, 4.5]]
-
-    import pandas as pd
-
-    from normlab.train.sinks.wandb import check_dataframes_only_with_pandas
-
-    train(_cfg(), tmp_path / "run")  # the sink checks as wandb does once pandas is imported
-    checked = wandb.util.is_pandas_data_frame
-    assert checked.pandas_imported_first
-    check_dataframes_only_with_pandas(wandb.util)  # a later run's: not wrapped twice
-    assert wandb.util.is_pandas_data_frame is checked
-    assert wandb.util.is_pandas_data_frame(pd.DataFrame({"a": [1]}))
-    assert not wandb.util.is_pandas_data_frame([[1]])
-    table = wandb.Table(dataframe=None, data=pd.DataFrame({"a": [1, 2]}))
-    assert table.columns == ["a"] and table.data == [[1], [2]]

@@ -14,10 +14,16 @@ import gc
 
 try:  # the wandb sink's, for wandb.mode online or offline (the default)
     import wandb  # noqa: F401
+    import wandb.sdk.launch.inputs.internal  # noqa: F401  (each wandb.init imports it to look for staged job inputs)
+except ImportError:
+    pass
+try:  # wandb.Table imports it to ask whether a run's table is a DataFrame
+    import pandas  # noqa: F401
 except ImportError:
     pass
 
 import torch  # noqa: F401  (seconds)
+import torch._dynamo  # noqa: F401  (a second: the optimizer's first call imports it)
 
 import normlab.analysis.render.heatmap  # noqa: F401  (matplotlib, for the end-of-run heatmaps)
 import normlab.launch.task  # noqa: F401

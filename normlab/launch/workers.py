@@ -132,9 +132,9 @@ def in_unit(fn, *args):
 
 def warm_up() -> None:
     """A started worker's first task: import what every job imports (a forked worker has them from its forkserver),
-    without touching CUDA (whose start must see the launch's MPS environment): not torch._dynamo, which only a job that
-    compiles imports (normlab.train.adamw), nor matplotlib, which its end imports, whose imports were never checked on a GPU
-    machine for that."""
+    without touching CUDA (whose start must see the launch's MPS environment): not torch._dynamo, which the optimizer's
+    first call imports, nor matplotlib, which its end imports, whose imports were never checked on a GPU machine for
+    that."""
     import torch  # noqa: F401  (heavy: seconds; the reason for warming up)
 
     import normlab.launch.task  # noqa: F401

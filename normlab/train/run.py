@@ -31,7 +31,6 @@ from normlab.config import RunConfig
 from normlab.data import Corpus, load_corpus, model_vocab_size
 from normlab.nn.flops import model_flops_per_token, peak_flops
 from normlab.nn.model import GPT
-from normlab.train.adamw import AdamW
 from normlab.train.callbacks import (
     BatchNormSteps, Callback, Checkpointing, DivergenceGuard, RunDirWatch, RunReport, Telemetry, TelemetryProducts,
     ThroughputClock, progress,
@@ -206,7 +205,7 @@ def build_state(cfg: RunConfig, device: torch.device, precision: str) -> TrainSt
     (active under fp16 only), and the data generator, whose draws depend on the seed alone (never on the
     model), so every arm of a sweep sees the same batches."""
     model = GPT(cfg).to(device)
-    optimizer = AdamW(
+    optimizer = torch.optim.AdamW(
         param_groups(model, cfg.optim.weight_decay),
         lr=cfg.lr,
         betas=tuple(cfg.optim.betas),

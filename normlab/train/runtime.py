@@ -82,18 +82,7 @@ def configure_determinism(deterministic: bool) -> None:
     On the CPU, normlab's ops are deterministic either way."""
     if deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_DETERMINISTIC:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
-    if deterministic or not _determinism_off():
-        torch.use_deterministic_algorithms(deterministic)
-
-
-def _determinism_off() -> bool:
-    """Whether torch.use_deterministic_algorithms(False) would change nothing: torch's flags are off, and
-    Inductor's `deterministic`, which it sets too, is unimported and will import as off. Then the call is
-    skipped: it imports Inductor, and with it torch._dynamo (a second of one core; normlab.train.adamw)."""
-    return (not torch.are_deterministic_algorithms_enabled()
-            and not torch.is_deterministic_algorithms_warn_only_enabled()
-            and "torch._inductor.config" not in sys.modules
-            and os.environ.get("TORCHINDUCTOR_DETERMINISTIC") != "1")
+    torch.use_deterministic_algorithms(deterministic)
 
 
 _compiled_before = False  # whether this process compiled a run's model already

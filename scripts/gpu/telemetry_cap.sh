@@ -8,15 +8,9 @@ set -u -o pipefail
 source .whl/setup.sh || exit 1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-outputs/gpu-call5}; mkdir -p "$OUT"
-# 0. Whether this torch's optimizer wrappers are shaped as normlab.train.adamw expects (else eager runs import
-#    torch._dynamo at their first step, as before), and that an eager step leaves torch._dynamo unimported.
-timeout 60 python3 -c "import sys, torch; import normlab.train.adamw as a
-m = torch.nn.Linear(4, 4).cuda(); o = a.AdamW(m.parameters(), lr=1e-3, fused=True); m(torch.ones(2, 4, device='cuda')).sum().backward(); o.step(); o.zero_grad()
-print('torch', torch.__version__, 'adamw shapes found:', a._INNER is not None, a._PLAIN_STEP is not None, 'dynamo imported after a step:', 'torch._dynamo' in sys.modules)" \
-    2>&1 | tee "$OUT/telemetry_host.log"
 # 1. A telemetry step's added host time by phase (statistics, row, sinks), medium's shape, eager.
 timeout 60 python3 scripts/bench/telemetry_host.py --device cuda --width 256 --batch 32 --seq 128 --sinks jsonl \
-    --pairs 20 --processes 1 2>&1 | tee -a "$OUT/telemetry_host.log"
+    --pairs 20 --processes 1 2>&1 | tee "$OUT/telemetry_host.log"
 # 2. The telemetry stage at CUDA's cap as committed (2^22), then at 2^24 (this machine's copy of probe_sites.py
 #    edited: the device's tree is a copy), each in a folder of its own.
 timeout 110 python3 scripts/gpu/acceptance.py --out "$OUT/cap22" --stage telemetry --budget telemetry=100

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from normlab.train.adamw import AdamW
 from normlab.train.callbacks import DivergenceGuard, TelemetryProducts, ThroughputClock
 from normlab.train.checkpoint import Checkpoint
 from normlab.config import RunConfig
@@ -52,8 +51,8 @@ class OptimizerLayout:
     run's optimizer has), filled with one member's moments."""
 
     def __init__(self, template: torch.nn.Module, cfg: RunConfig, device: torch.device):
-        reference = AdamW(param_groups(template, cfg.optim.weight_decay), lr=cfg.lr,
-                          betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=device.type == "cuda")
+        reference = torch.optim.AdamW(param_groups(template, cfg.optim.weight_decay), lr=cfg.lr,
+                                      betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=device.type == "cuda")
         self.groups = reference.state_dict()["param_groups"]
         names = {id(p): name for name, p in template.named_parameters()}
         order = [p for group in reference.param_groups for p in group["params"]]

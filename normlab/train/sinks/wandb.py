@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +49,6 @@ class WandbSink(Sink):
 
         self._wandb = wandb
         self._layers = wandb_cfg.layers
-        list_packages_once(wandb.util)
-        apply_launch_inputs_when_staged(wandb.Run)
-        check_dataframes_only_with_pandas(wandb.util)
         user = user_wandb_settings()
         given = user.model_fields_set
         kwargs = dict(
@@ -139,65 +135,6 @@ class WandbSink(Sink):
                 self.run.mark_preempting()
         finally:
             self.run.finish(exit_code=exit_code)
-
-
-def list_packages_once(util) -> None:
-    """wandb's `util.working_set` (the installed packages, which each run records in its requirements.txt) read once
-    in this process and given again to its later runs: wandb reads every package's metadata at each wandb.init, 0.075
-    s of CPU for 175 packages, per job of a sweep's worker. A package installed while the process runs is listed from
-    its next process on. Nothing is changed where wandb has no such function."""
-    read = getattr(util, "working_set", None)
-    if read is None or getattr(read, "listed_once", False):
-        return
-    listed: list = []
-
-    def working_set():
-        if not listed:
-            listed.extend(read())
-        return iter(listed)
-
-    working_set.listed_once = True
-    util.working_set = working_set
-
-
-# W&B Launch's staged job inputs live in this module: wandb.sdk.launch.manage_config_file and manage_wandb_config
-# stage them there (importing it as they are called), and each wandb.init applies them
-# (Run._detect_and_apply_job_inputs) by importing it.
-LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"
-
-
-def apply_launch_inputs_when_staged(run_class) -> None:
-    """Each wandb.init applies the W&B Launch job inputs staged in this process; to look, it imports LAUNCH_INPUTS,
-    and with it all of wandb.sdk.launch: 0.2 s of a process's first run, which normlab never stages inputs in.
-    Inputs can only have been staged where that module is imported, so where it is not, there are none and the
-    look is skipped; where it is, wandb applies them as before. Nothing is changed where wandb has no such step."""
-    apply = getattr(run_class, "_detect_and_apply_job_inputs", None)
-    if apply is None or getattr(apply, "when_staged", False):
-        return
-
-    def detect_and_apply_job_inputs(run) -> None:
-        if LAUNCH_INPUTS in sys.modules:
-            apply(run)
-
-    detect_and_apply_job_inputs.when_staged = True
-    run_class._detect_and_apply_job_inputs = detect_and_apply_job_inputs
-
-
-def check_dataframes_only_with_pandas(util) -> None:
-    """wandb.Table asks `util.is_pandas_data_frame` whether its data (normlab's: a list of rows) is a pandas DataFrame;
-    to answer, wandb imports pandas wherever it is installed: 0.3 s of a process's first table, for a check whose
-    answer is no unless pandas is imported already (a DataFrame is an object of an imported pandas). So where pandas
-    is unimported the answer is no at once; where it is, wandb checks as before. Nothing is changed where wandb has
-    no such function."""
-    check = getattr(util, "is_pandas_data_frame", None)
-    if check is None or getattr(check, "pandas_imported_first", False):
-        return
-
-    def is_pandas_data_frame(obj) -> bool:
-        return "pandas" in sys.modules and check(obj)
-
-    is_pandas_data_frame.pandas_imported_first = True
-    util.is_pandas_data_frame = is_pandas_data_frame
 
 
 def user_wandb_settings():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import signal
 import sys
 
 from normlab.util.errors import fail
@@ -73,11 +74,25 @@ def main(argv: list[str] | None = None) -> int:
         return _resume(rest)
     if command in READERS:
         try:
-            return READERS[command]()(rest)
+            code = READERS[command]()(rest)
+            sys.stdout.flush()  # here, not at exit: a reader gone early (`| head`) is caught below
+            return code
         except KeyboardInterrupt:  # Ctrl-C: one line and 128 + SIGINT, the shell's code, not a traceback
             print(f"normlab: {command} interrupted", file=sys.stderr)
             return 130
+        except BrokenPipeError:
+            return _reader_gone()
     return fail(f"unknown command {command!r}: choose one of train, resume, compare, ls, sample")
+
+
+def _reader_gone() -> int:
+    """stdout's reader went away (`normlab sample RUN | head`): stop quietly, as a Unix tool does, with 128 + SIGPIPE,
+    the shell's code for it. What is left in stdout's buffer goes to /dev/null, so Python's flush at exit does
+    not raise again (the recipe of Python's signal module docs, "Note on SIGPIPE")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _compare():

@@ -240,3 +240,39 @@ def test_a_relative_data_file_under_chdir_is_read_from_the_launch_dir(tmp_path):
     # Resumed by its dir (the command replays hydra.job.chdir=true too): the same config, so nothing to train.
     again = normlab_here("resume", str(run_dir), cwd=tmp_path)
     assert again.returncode == 0 and "already completed" in again.stderr, again.stderr[-3000:]
+
+
+def into_head(args, cwd, keep: int = 0) -> tuple[int, bytes, str]:
+    """`normlab ARGS | head -c KEEP` in a fresh process: its exit code, the bytes the reader took and its stderr.
+    The reader closes its end once it has KEEP bytes; with KEEP 0 it is closed before normlab starts, so normlab's
+    first write finds it gone, however little it prints."""
+    with open(Path(cwd) / "stderr.txt", "w+") as err:
+        if keep == 0:
+            read, write = os.pipe()
+            os.close(read)
+            try:
+                code = subprocess.run([sys.executable, "-m", "normlab", *map(str, args)], stdout=write, stderr=err,
+                                      cwd=cwd, timeout=300).returncode
+            finally:
+                os.close(write)
+            taken = b""
+        else:
+            process = subprocess.Popen([sys.executable, "-m", "normlab", *map(str, args)], stdout=subprocess.PIPE,
+                                       stderr=err, cwd=cwd)
+            taken = process.stdout.read(keep)
+            process.stdout.close()
+            code = process.wait(timeout=300)
+        err.seek(0)
+        return code, taken, err.read()
+
+
+@pytest.mark.parametrize("command", ["ls", "compare"])
+def test_a_reader_that_stops_early_ends_the_listing_quietly(tmp_path, command):
+    """`normlab ls | head -1`: as a Unix tool, no traceback, and the shell's code for a pipe gone (128 + SIGPIPE)."""
+    from test_compare import write_run
+
+    for i in range(3):
+        write_run(tmp_path / "sweep" / f"{i}_rms", lr=10.0 ** -(i + 2))
+    (tmp_path / "sweep" / "multirun.yaml").write_text("hydra: {}\n")
+    code, _, err = into_head([command, "sweep"], tmp_path)
+    assert (code, err) == (141, "")

@@ -207,3 +207,11 @@ def test_the_streamed_text_of_random_bytes_is_their_whole_decoding():
         stream.add(token)
     stream.close()
     assert "".join(pieces) == decode(ids) and len(pieces) > 100
+
+
+def test_a_sample_into_a_reader_that_stops_early_ends_quietly(run_dir, tmp_path):
+    """`normlab sample RUN --tokens 1000000 | head -c 100`: no traceback, and 128 + SIGPIPE, as a Unix tool."""
+    from test_cli import into_head
+
+    code, taken, err = into_head(["sample", run_dir, "--tokens", "1000000"], tmp_path, keep=100)
+    assert (code, len(taken), err) == (141, 100, "")

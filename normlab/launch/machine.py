@@ -9,9 +9,7 @@ which would otherwise allocate for a minute and end in a MemoryError.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -20,6 +18,7 @@ from omegaconf import OmegaConf
 
 from normlab.config import BYTE_VOCAB, ConfigError, RunConfig
 from normlab.launch.resolvers import task_dict
+from normlab.train.sinks.rundir import check_output_dir
 
 GIB = 2**30
 PERSISTENT_BYTES_PER_PARAM = 16  # fp32 weight, its gradient, and AdamW's two moments
@@ -96,30 +95,6 @@ def check_memory(cfgs: list[RunConfig], device: str, units: list[list[int]] | No
                 f"each, but there is {_gib(available)} {where}: sweep fewer lr and seed values in one command, or "
                 "pack=false to train them one at a time"
             )
-
-
-def check_output_dir(path: str, key: str) -> None:
-    """ConfigError if directory `path` (set by override `key`) cannot be made or written; nothing is created."""
-    if not path.strip():
-        raise ConfigError(f"{key}={path!r}: the run dir must be a path: choose one with {key}=DIR")
-    target = Path(path).absolute()
-    try:
-        existing = next(p for p in (target, *target.parents) if p.exists())
-        if not existing.is_dir():
-            raise ConfigError(f"{key}={path}: {existing} is a file, not a directory: choose another run dir with {key}=DIR")
-        name_max = os.pathconf(existing, "PC_NAME_MAX")
-        too_long = [part for part in target.relative_to(existing).parts if len(part.encode()) > name_max]
-        if too_long:
-            raise ConfigError(f"{key}={path}: the name {too_long[0][:40]}... is longer than {name_max} bytes: choose a shorter one")
-        probe = tempfile.mkdtemp(prefix=".normlab-probe-", dir=existing)  # writable? (os.access ignores read-only mounts for root)
-        shutil.rmtree(probe, ignore_errors=True)
-    except ConfigError:
-        raise
-    except ValueError as err:  # a NUL byte in the path
-        raise ConfigError(f"{key}={path!r}: not a valid path ({err})") from None
-    except OSError as err:
-        reason = os.strerror(err.errno) if err.errno else str(err)
-        raise ConfigError(f"{key}={path}: cannot create the run dir there: {reason}: choose another with {key}=DIR") from None
 
 
 def check_machine(composed: list, multirun: bool, local: bool, units_of=None) -> None:

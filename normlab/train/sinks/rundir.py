@@ -1,4 +1,4 @@
-"""The run dir (RunDir): its files, its lock (RunDirBusy when another process holds it), whether it is still at
+"""The run dir (RunDir): whether one can be made at a path (check_output_dir), its files, its lock (RunDirBusy when another process holds it), whether it is still at
 its path (RunDirGone when it was deleted, moved or replaced during the run), the room it keeps
 for summary.json when the disk fills (disk_full), and the line files its metrics grow in (AppendOnlyLines)."""
 
@@ -10,10 +10,13 @@ import errno
 import io
 import math
 import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from normlab.config import ConfigError
 from normlab.util.files import exclusive, lock_holder, write_bytes_atomic, write_json_atomic
 
 RESERVE_NAME = ".summary.reserve"
@@ -58,6 +61,30 @@ def jsonable(value: Any) -> Any:
 def disk_full(err: BaseException) -> bool:
     """Whether `err` says the disk (or the user's quota) is full."""
     return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def check_output_dir(path: str, key: str) -> None:
+    """ConfigError if directory `path` (set by override `key`) cannot be made or written; nothing is created."""
+    if not path.strip():
+        raise ConfigError(f"{key}={path!r}: the run dir must be a path: choose one with {key}=DIR")
+    target = Path(path).absolute()
+    try:
+        existing = next(p for p in (target, *target.parents) if p.exists())
+        if not existing.is_dir():
+            raise ConfigError(f"{key}={path}: {existing} is a file, not a directory: choose another run dir with {key}=DIR")
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+        too_long = [part for part in target.relative_to(existing).parts if len(part.encode()) > name_max]
+        if too_long:
+            raise ConfigError(f"{key}={path}: the name {too_long[0][:40]}... is longer than {name_max} bytes: choose a shorter one")
+        probe = tempfile.mkdtemp(prefix=".normlab-probe-", dir=existing)  # writable? (os.access ignores read-only mounts for root)
+        shutil.rmtree(probe, ignore_errors=True)
+    except ConfigError:
+        raise
+    except ValueError as err:  # a NUL byte in the path
+        raise ConfigError(f"{key}={path!r}: not a valid path ({err})") from None
+    except OSError as err:
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise ConfigError(f"{key}={path}: cannot create the run dir there: {reason}: choose another with {key}=DIR") from None
 
 
 # The run dirs this process holds locked: path -> [holders, what releases the lock]. flock locks belong to an open

@@ -3,6 +3,7 @@
 record is skipped with a note, not a traceback."""
 
 import json
+import re
 
 import pytest
 
@@ -95,3 +96,23 @@ def test_report_md_counts_one_run_in_the_singular_and_quotes_any_dir_name_in_cod
     assert "- ``a`b|c``: " not in report  # a completed run is in the Runs table, not a list
     [row] = [line for line in report.splitlines() if line.startswith("| ``a`b\\\\|c``")]
     assert row.count(" | ") == 10  # its 11 cells: the backtick and the bar held inside the first
+
+
+@pytest.mark.parametrize("cfg, given", [({"norm": {"name": "rms"}}, "a dict"), (None, "None")])
+def test_train_run_takes_a_runconfig_and_names_it_for_anything_else(tmp_path, cfg, given):
+    with pytest.raises(TypeError, match=rf"^cfg is {given}, not a RunConfig: .*RunConfig\.from_dict"):
+        train_run(cfg, tmp_path / "run")
+    with pytest.raises(TypeError, match=r"^run_dir is None, not a path"):
+        train_run(tiny_config(), None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_run_into_a_file_names_the_path_and_makes_nothing(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("not a dir")
+    for run_dir in (taken, taken / "run"):
+        with pytest.raises(ConfigError, match=f"^run_dir={re.escape(str(run_dir))}: {re.escape(str(taken))} is a file, "
+                                              "not a directory: choose another run dir"):
+            train_run(tiny_config(), run_dir)
+    assert list(tmp_path.iterdir()) == [taken] and taken.read_text() == "not a dir"
+

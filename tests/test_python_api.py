@@ -116,3 +116,45 @@ def test_train_run_into_a_file_names_the_path_and_makes_nothing(tmp_path):
             train_run(tiny_config(), run_dir)
     assert list(tmp_path.iterdir()) == [taken] and taken.read_text() == "not a dir"
 
+
+def _sweep(root):
+    write_run(root / "sweep" / "0_rms")
+    (root / "sweep" / "multirun.yaml").write_text("hydra: {}\n")
+    return root / "sweep"
+
+
+@pytest.mark.parametrize("formats, says", [
+    (("bmp",), "formats=('bmp',): 'bmp' is not a figure format"),
+    (["png", "gif"], "formats=['png', 'gif']: 'gif' is not a figure format"),
+    ("png,jpg", "formats='png,jpg': 'jpg' is not a figure format"),
+    ((), "formats=(): no format is not a figure format"),
+    (None, "formats=None: None is not a figure format"),
+])
+def test_compare_checks_the_formats_before_it_writes_anything(tmp_path, formats, says):
+    sweep = _sweep(tmp_path)
+    for out in (tmp_path / "report", None):
+        with pytest.raises(CompareError, match=f"^{re.escape(says)}: choose from png, svg, pdf"):
+            compare([sweep], out=out, formats=formats)
+    assert not (tmp_path / "report").exists() and not (sweep / "report").exists()
+
+
+def test_compare_takes_formats_as_a_tuple_or_as_the_command_lines_text(tmp_path):
+    sweep = _sweep(tmp_path)
+    out = compare(sweep, out=tmp_path / "one", formats="svg")
+    assert sorted(p.name for p in out.glob("loss_val.*")) == ["loss_val.svg"]
+    out = compare(sweep, out=tmp_path / "two", formats=" SVG,pdf")
+    assert sorted(p.name for p in out.glob("loss_val.*")) == ["loss_val.pdf", "loss_val.svg"]
+
+
+def test_load_runs_takes_paths_or_lists_of_them_as_compare_does(tmp_path):
+    write_run(tmp_path / "a" / "0_rms")
+    write_run(tmp_path / "b" / "0_rms")
+    a, b = tmp_path / "a", tmp_path / "b"
+    expected = [(a / "0_rms").resolve(), (b / "0_rms").resolve()]
+    for given in ((a, b), ([a, b],), ([str(a)], (b,)), (iter([a, b]),)):
+        assert [run.path for run in load_runs(*given)] == expected
+    for bad in ((a, 3), ([a, None],)):
+        with pytest.raises(TypeError, match=r"^(3|None) is not a path: give run dirs, sweep dirs or outputs/"):
+            load_runs(*bad)
+    with pytest.raises(TypeError, match=r"^3 is not a path"):
+        compare([a, 3])

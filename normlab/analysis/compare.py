@@ -12,13 +12,15 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from normlab.analysis.stats.comparison import Comparison, build_comparison
 from normlab.analysis.render.exports import FIGURE_FORMATS
 from normlab.analysis.render.ranking import terminal_summary
-from normlab.analysis.read.runs import CONFIG, METRICS, SUMMARY, CompareError, find_run_dirs
+from normlab.analysis.read.runs import CONFIG, METRICS, SUMMARY, CompareError, find_run_dirs, path_list
 from normlab.analysis.render.workspace import EXTRA, SPEC, check_installed, save_workspaces
+from normlab.config.errors import shown
 from normlab.util.errors import fail
 
 
@@ -31,27 +33,38 @@ def default_report_dir(paths: list[str], run_dirs: list[Path]) -> Path:
     return Path("outputs") / "reports" / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(3)}"
 
 
-def compare(paths: list[str], out: str | os.PathLike | None = None, formats: tuple[str, ...] = ("png",)) -> Path:
+def compare(paths: list[str], out: str | os.PathLike | None = None, formats: str | Iterable[str] = ("png",)) -> Path:
     """Find the runs under `paths` (a list of paths; one path alone is taken as one), write report.md, the tables
-    as CSV and JSON (exports.py) and the plots (in each of `formats`) into the report dir, and return its path."""
-    return write_comparison(paths, out, formats)[1]
+    as CSV and JSON (exports.py) and the plots (in each of `formats`: ('png', 'svg'), or 'png,svg' as --format takes
+    them) into the report dir, and return its path. The formats are checked before anything is read or made."""
+    if isinstance(formats, str):
+        names = formats.split(",")
+    else:
+        names = formats if isinstance(formats, Iterable) else [formats]
+    chosen = figure_formats(names, f"formats={shown(formats)}", "e.g. formats=('png', 'pdf') or 'png,pdf'")
+    return write_comparison(paths, out, chosen)[1]
 
 
 def parse_formats(text: str) -> tuple[str, ...]:
-    """'png,svg' as ('png', 'svg'); CompareError naming the allowed formats for anything else."""
-    formats = tuple(dict.fromkeys(f.strip().lower() for f in text.split(",")))
+    """--format's 'png,svg' as ('png', 'svg'); CompareError naming the allowed formats for anything else."""
+    return figure_formats(text.split(","), f"--format {text}", "comma-separated (e.g. --format png,pdf)")
+
+
+def figure_formats(names: Iterable, given: str, example: str) -> tuple[str, ...]:
+    """`names` as figure formats, each once, in lower case; CompareError saying which are not, as `given` was
+    written, with the allowed formats and `example`."""
+    formats = tuple(dict.fromkeys(n.strip().lower() if isinstance(n, str) else n for n in names))
     bad = [f for f in formats if f not in FIGURE_FORMATS]
     if bad or not formats:
-        raise CompareError(f"--format {text}: {', '.join(map(repr, bad)) or 'no format'} is not a figure format: "
-                           f"choose from {', '.join(FIGURE_FORMATS)}, comma-separated (e.g. --format png,pdf)")
+        raise CompareError(f"{given}: {', '.join(map(repr, bad)) or 'no format'} is not a figure format: "
+                           f"choose from {', '.join(FIGURE_FORMATS)}, {example}")
     return formats
 
 
 def write_comparison(paths: list[str], out: str | os.PathLike | None = None,
                      formats: tuple[str, ...] = ("png",)) -> tuple[Comparison, Path]:  # fmt: skip
-    """compare(), returning the comparison too."""
-    if isinstance(paths, (str, os.PathLike)):  # compare("outputs/"): one path, not its characters
-        paths = [paths]
+    """compare(), its `formats` checked (figure_formats), returning the comparison too."""
+    paths = path_list([paths])  # compare("outputs/"): one path, not its characters
     if not paths:
         raise CompareError("no path given: give a run dir, a sweep dir or the outputs/ root")
     run_dirs = find_run_dirs(paths)

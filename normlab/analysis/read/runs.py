@@ -12,14 +12,16 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from normlab import keys
 from normlab.analysis.read.records import METRICS, METRICS_FILES, layer_series, number_text, read_records
 from normlab.config import flatten_config
+from normlab.config.errors import shown
 from normlab.util.errors import one_line
 
 SUMMARY = "summary.json"
@@ -210,6 +212,20 @@ class Run:
 RUN_FILES = (SUMMARY, *METRICS_FILES, CONFIG)  # a dir holding any of them is a run dir: a killed run has no summary.json
 
 
+def path_list(given: Iterable[Any]) -> list[str | os.PathLike]:
+    """The paths `given` names, each a path (a str or an os.PathLike) or a list (any iterable) of paths, in order:
+    load_runs(a, b), load_runs([a, b]) and compare([a, b]) alike. TypeError naming anything else."""
+    paths: list[str | os.PathLike] = []
+    for item in given:
+        single = isinstance(item, (str, bytes, os.PathLike)) or not isinstance(item, Iterable)
+        for path in [item] if single else item:
+            if not isinstance(path, (str, os.PathLike)):
+                raise TypeError(f"{shown(path)} is not a path: give run dirs, sweep dirs or outputs/ (a str or an "
+                                "os.PathLike each), one by one or in a list")
+            paths.append(path)
+    return paths
+
+
 def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """Every run dir (a dir holding summary.json, metrics.jsonl, metrics.csv or config.json) at or under `paths`,
     skipping wandb/ and hidden dirs."""
@@ -259,8 +275,9 @@ class SkippedRun(UserWarning):
     """A run dir load_runs left out, as `normlab compare` leaves it out: the message says which and why."""
 
 
-def load_runs(*paths: str | os.PathLike, errors: str = "skip") -> list[Run]:
-    """Every run dir at or under `paths` (run dirs, sweep dirs, the outputs/ root), loaded, sorted by path.
+def load_runs(*paths: str | os.PathLike | Iterable[str | os.PathLike], errors: str = "skip") -> list[Run]:
+    """Every run dir at or under `paths` (run dirs, sweep dirs, the outputs/ root; given one by one or in a list, as
+    compare takes them), loaded, sorted by path.
 
     For a notebook: `[{**run.settings, **run.summary} for run in load_runs("multirun/...")]` is a table,
     one row per run. A run dir load_run cannot read (a damaged summary.json) is, with errors="skip" (the
@@ -270,7 +287,7 @@ def load_runs(*paths: str | os.PathLike, errors: str = "skip") -> list[Run]:
     if errors not in ("skip", "raise"):
         raise ValueError(f"errors={errors!r}: choose 'skip' or 'raise'")
     runs = []
-    for path in sorted(find_run_dirs(paths)):
+    for path in sorted(find_run_dirs(path_list(paths))):
         try:
             runs.append(load_run(path))
         except CompareError as err:

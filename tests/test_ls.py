@@ -57,7 +57,7 @@ def test_ls_json_gives_a_row_per_run_and_the_sweeps(tmp_path, capsys):
     first = data["runs"][0]
     assert (first["step"], first["max_steps"], first["final_val_loss"], first["wall_s"]) == (8, 8, 3.0, 1.5)
     assert first["sweep"] == str(sweep.resolve()) and first["age_s"] >= 0
-    assert data["sweeps"] == {str(sweep.resolve()): "4 runs: 2 completed, 1 diverged, 1 incomplete"}
+    assert data["sweeps"] == {str(sweep.resolve()): {"completed": 2, "diverged": 1, "incomplete": 1}}  # runs by status
     assert first["phases"] is None  # a summary.json written before phases were recorded
 
 

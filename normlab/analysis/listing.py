@@ -162,19 +162,23 @@ def lines(runs: list[Listed]) -> list[str]:
              "-" if r.final_val_loss is None else f"{r.final_val_loss:.4f}", duration(r.wall_s), duration(r.age_s),
              shown(r.path)] for r in runs]  # fmt: skip
     table = aligned(("status", "step", "val loss", "wall", "age", "path"), rows) if rows else ["no runs"]
-    return table + [f"sweep {shown(sweep)}: {tally}" for sweep, tally in sweeps(runs).items()]
+    return table + [f"sweep {shown(sweep)}: {tally(counts)}" for sweep, counts in sweeps(runs).items()]
 
 
-def sweeps(runs: list[Listed]) -> dict[str, str]:
-    """{sweep dir: '24 runs: 20 completed, 1 running, 3 diverged'}, sweeps in order of their first run."""
+def sweeps(runs: list[Listed]) -> dict[str, dict[str, int]]:
+    """{sweep dir: {status: runs}}, sweeps in order of their first run, each's statuses by count (most first)."""
     counts: dict[str, dict[str, int]] = {}
     for run in runs:
         if run.sweep is not None:
             by_status = counts.setdefault(run.sweep, {})
             by_status[run.status] = by_status.get(run.status, 0) + 1
-    return {sweep: f"{sum(c.values())} run{'s' if sum(c.values()) != 1 else ''}: "
-            + ", ".join(f"{n} {status}" for status, n in sorted(c.items(), key=lambda item: (-item[1], item[0])))
-            for sweep, c in counts.items()}  # fmt: skip
+    return {sweep: dict(sorted(c.items(), key=lambda item: (-item[1], item[0]))) for sweep, c in counts.items()}
+
+
+def tally(counts: dict[str, int]) -> str:
+    """'24 runs: 20 completed, 3 diverged, 1 running' of {status: runs}."""
+    total = sum(counts.values())
+    return f"{total} run{'s' if total != 1 else ''}: " + ", ".join(f"{n} {status}" for status, n in counts.items())
 
 
 def main(argv: list[str]) -> int:
@@ -191,7 +195,7 @@ def main(argv: list[str]) -> int:
     parser = Parser(prog="normlab ls", description="List the runs under DIRs (default: outputs): status (running "
                     "while its lock is held), step of max_steps, final val loss, wall time, age, path; and each sweep by status.")
     parser.add_argument("dirs", nargs="*", metavar="DIR", help="a run dir, a sweep dir or outputs/ (default: outputs)")
-    parser.add_argument("--json", action="store_true", help="print {runs: [...], sweeps: {...}} as JSON")
+    parser.add_argument("--json", action="store_true", help="print {runs: [...], sweeps: {DIR: {STATUS: RUNS}}} as JSON")
     args = parser.parse_args(argv)
     try:
         runs = list_runs(args.dirs or ["outputs"])

@@ -78,6 +78,21 @@ def test_a_resume_may_not_change_a_key_that_changes_the_result(change, key):
         _checkpoint_of(saved).check_config(changed)
 
 
+def test_a_runs_identity_is_its_config_but_the_bookkeeping_keys():
+    from normlab.config import run_identity
+
+    saved = RunConfig()
+    same = RunConfig.from_dict(_merge(saved.to_dict(), {"name": "renamed", "ckpt": {"every": 1}, "pack": True}))
+    assert run_identity(flatten_config(same)) == run_identity(flatten_config(saved))
+    # config.json read back: lists for tuples, a number as written (lr 0.003 as 3e-3, an int where a float was)
+    written = json.loads(json.dumps({**flatten_config(saved), "lr": 3e-3, "optim.betas": [0.9, 0.95], "depth": 4.0}))
+    assert run_identity(written) == run_identity(flatten_config(saved))
+    for change in ({"lr": 1e-2}, {"seed": 1}, {"max_steps": 30}, {"norm": {"eps": 1e-6}}):
+        other = RunConfig.from_dict(_merge(saved.to_dict(), change))
+        assert run_identity(flatten_config(other)) != run_identity(flatten_config(saved)), change
+    hash(run_identity(flatten_config(saved)))
+
+
 @pytest.mark.usefixtures("one_thread")  # the same reduction order in both runs, for equal losses
 def test_a_run_resumes_from_its_checkpoint_with_other_bookkeeping(tmp_path):
     cfg = tiny_config("rms", "pre", max_steps=4, log_every=1)

@@ -11,6 +11,7 @@ Nothing here imports torch, so validation is instant.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, get_type_hints
 
@@ -263,6 +264,33 @@ def bookkeeping_keys() -> tuple[str, ...]:
     A marked sub-config ('wandb') stands for every key under it ('wandb.mode', ...).
     """
     return _bookkeeping_keys(RunConfig, "")
+
+
+@functools.cache  # a sweep's runs share their few hundred keys: each is judged once
+def is_bookkeeping(key: str) -> bool:
+    """Whether dotted `key` is a bookkeeping key (bookkeeping_keys) or lies under one ('ckpt.every' under 'ckpt')."""
+    return any(key == mark or key.startswith(mark + ".") for mark in bookkeeping_keys())
+
+
+def run_identity(flat: Mapping[str, Any]) -> tuple:
+    """What makes a training, from a flattened config (flatten_config): every key but the bookkeeping ones, lr and
+    seed included. Equal for two configs that train the same run (a number and its float alike: lr=1e-3 and 0.001,
+    depth 2 and 2.0; a list and a tuple alike); hashable."""
+    return tuple(sorted((key, _canonical(value)) for key, value in flat.items() if not is_bookkeeping(key)))
+
+
+def _canonical(value: Any) -> Any:
+    """`value` in a form that compares as the config's values compare, and hashes: numbers as floats, sequences
+    as tuples, mappings as sorted pairs, anything else as its repr."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_canonical(v) for v in value)
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _canonical(v)) for k, v in value.items()))
+    return repr(value)
 
 
 def _bookkeeping_keys(cls: type, prefix: str) -> tuple[str, ...]:

@@ -5,24 +5,15 @@ repeat counted as a second seed would show a spread of 0 and an interval it has 
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 from normlab.analysis.read.runs import SUMMARY, Run
-from normlab.config import bookkeeping_keys
-
-
-BOOKKEEPING = bookkeeping_keys()  # derived from the schema once: it walks the dataclasses' type hints
-
-
-@functools.cache  # a sweep's runs share their few hundred keys: each is judged once
-def _bookkeeping(key: str) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in BOOKKEEPING)
+from normlab.config import run_identity
 
 
 def identity(run: Run) -> tuple:
-    """What makes a training: every config value (lr and seed included) but the bookkeeping keys'."""
-    return tuple(sorted((key, repr(value)) for key, value in run.settings.items() if not _bookkeeping(key)))
+    """What makes a training: every config value (lr and seed included) but the bookkeeping keys' (run_identity)."""
+    return run_identity(run.settings)
 
 
 def _newest_completed(run: Run) -> tuple:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from normlab.config import RunConfig, bookkeeping_keys, flatten_config
+from normlab.config import RunConfig, bookkeeping_keys, flatten_config, is_bookkeeping
 
 # Config keys a resumed run may change: the schema's bookkeeping, which changes no number of the result.
 MAY_CHANGE_ON_RESUME = bookkeeping_keys()
@@ -38,4 +38,4 @@ def config_difference(saved: Mapping[str, Any], cfg: RunConfig) -> str | None:
 
 def may_change(key: str) -> bool:
     """Whether dotted key `key` may change when a run resumes: a bookkeeping key, or a key under one."""
-    return any(key == prefix or key.startswith(prefix + ".") for prefix in MAY_CHANGE_ON_RESUME)
+    return is_bookkeeping(key)

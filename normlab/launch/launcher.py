@@ -6,9 +6,11 @@ once on each visible GPU: one worker process per slot, pinned to its GPU by CUDA
 worker running its slot's jobs one after another and releasing the GPU's cached memory after each.
 The workers start when the sweep is set up and import the training stack while the sweeper composes the
 jobs (normlab.launch.workers); the configs composed then are the ones the launch uses (normlab.launch.composed:
-each job is composed once in this process, pack_units included).
+each job is composed once in this process, compose_jobs included).
 Without a GPU it runs `cpu_jobs` at once, by default 1: the jobs run one after another in this
 process, exactly as Hydra's basic launcher runs them (a 2-core CPU gains nothing from more).
+In a grid sweep run again in its sweep dir, each job lands in the dir of the run it asks for, wherever it is,
+and a job the sweep has no run of gets a dir numbered after the sweep's jobs (normlab.launch.sweep_index).
 
 Every job is composed and run as the basic launcher runs it (same overrides, same job numbers, same
 seeds), so results equal a sequential sweep's; concurrent jobs only turn off their progress bars
@@ -56,7 +58,7 @@ from hydra.core.plugins import Plugins
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
 from hydra.types import HydraContext
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.basecontainer import BaseContainer
 
 from normlab.config import RunConfig
@@ -65,6 +67,8 @@ from normlab.launch.composed import ComposedOnce
 from normlab.launch.machine import visible_gpus
 from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
 from normlab.launch.resolvers import task_dict
+from normlab.launch.sweep_dirs import job_places
+from normlab.launch.sweep_index import BASIC_SWEEPER, Place, recorded_runs
 from normlab.launch.task import ended_job, gone_member, member_result, pack_member, thaw_garbage, train_members
 from normlab.launch.workers import Workers, apply_setting, in_unit
 from normlab.launch.workers import pin_worker as _pin_worker  # noqa: F401  (a worker's start, as the tests call it)
@@ -98,15 +102,21 @@ def threads_per_job(concurrent: int) -> int:
     return max(1, cores // concurrent)
 
 
-def _compose(hydra_context, config, idx: int, overrides: Sequence[str], composed: Optional[DictConfig] = None) -> DictConfig:
+def _compose(hydra_context, config, idx: int, overrides: Sequence[str], composed: Optional[DictConfig] = None,
+             place: Optional[Place] = None) -> DictConfig:
     """Job `idx`'s config as Hydra's basic launcher composes it (hydra node included), set as HydraConfig's;
-    `composed`: the job's config as this function gave it before (pack_units'), taken as it is."""
+    `composed`: the job's config as this function gave it before (compose_jobs'), taken as it is; `place`: where
+    the job lands in a sweep run again (sweep_dirs.job_places): its number and dir, for its place's."""
     sweep_config = composed
     if sweep_config is None:
         sweep_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
         with open_dict(sweep_config):
             sweep_config.hydra.job.id = idx
             sweep_config.hydra.job.num = idx
+    if place is not None:  # a config compose_jobs kept was HydraConfig's: its hydra node is read-only
+        with read_write(sweep_config.hydra), open_dict(sweep_config):
+            sweep_config.hydra.job.id = sweep_config.hydra.job.num = place.num
+            sweep_config.hydra.sweep.subdir = place.subdir
     HydraConfig.instance().set_config(sweep_config)
     return sweep_config
 
@@ -117,26 +127,27 @@ def _run(hydra_context, task_function, sweep_config: DictConfig) -> JobReturn:
 
 
 def run_unit(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, task_function,
-             composed: Optional[dict] = None) -> list[JobReturn]:
+             composed: Optional[dict] = None, places: Optional[dict] = None) -> list[JobReturn]:
     """A unit of the sweep, as (job number, overrides) pairs: one job, run as Hydra's basic launcher runs it,
-    or a pack's jobs (run_pack). `composed`: configs pack_units composed, by job number (those used are taken
-    out). Returns their JobReturns in order."""
-    composed = {} if composed is None else composed
+    or a pack's jobs (run_pack). `composed`: configs compose_jobs composed, by job number (those used are taken
+    out); `places`: where the jobs land (sweep_dirs.job_places), by job number. Returns their JobReturns in order."""
+    composed, places = {} if composed is None else composed, places or {}
     if len(unit) > 1:
-        return run_pack(unit, hydra_context, config, composed)
+        return run_pack(unit, hydra_context, config, composed, places)
     [(idx, overrides)] = unit
-    sweep_config = _compose(hydra_context, config, idx, overrides, composed.pop(idx, None))
+    sweep_config = _compose(hydra_context, config, idx, overrides, composed.pop(idx, None), places.get(idx))
     return [ended_job(hydra_context, sweep_config) or _run(hydra_context, task_function, sweep_config)]
 
 
-def run_pack(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, composed: Optional[dict] = None) -> list[JobReturn]:
+def run_pack(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, composed: Optional[dict] = None,
+             places: Optional[dict] = None) -> list[JobReturn]:
     """A pack's jobs, each an ordinary Hydra job, trained together (the module's docstring: three passes).
-    `composed`: as run_unit's. Returns their JobReturns in order."""
+    `composed`, `places`: as run_unit's. Returns their JobReturns in order."""
     quiet = HydraContext(config_loader=hydra_context.config_loader, callbacks=Callbacks())
-    composed = {} if composed is None else composed
+    composed, places = {} if composed is None else composed, places or {}
     configs, members, logs = [], [], []
     for idx, overrides in unit:  # pass 1: dirs, .hydra/, job logs, RunConfigs
-        configs.append(_compose(hydra_context, config, idx, overrides, composed.pop(idx, None)))
+        configs.append(_compose(hydra_context, config, idx, overrides, composed.pop(idx, None), places.get(idx)))
         member, files = _run(quiet, _prepare_member, configs[-1]).return_value
         members.append(member)
         logs += files
@@ -181,25 +192,21 @@ def _also_logged_to(files: Sequence[tuple[str, Any, int]]):
             handler.close()
 
 
-def pack_units(hydra_context, config, jobs: Sequence[tuple[int, Sequence[str]]],
-               keep: Optional[dict] = None) -> list[list[tuple[int, Sequence[str]]]]:
-    """The sweep's `jobs` ((job number, overrides) pairs) as units: normlab.config.packing.pack_groups of their configs,
-    each composed as it will run (and kept in `keep` by job number, when given, for run_unit). A job whose config
-    cannot be built is a unit alone (it says why as it runs)."""
+def compose_jobs(hydra_context, config, jobs: Sequence[tuple[int, Sequence[str]]], keep: dict) -> list[Optional[RunConfig]]:
+    """The RunConfigs of the sweep's `jobs` ((job number, overrides) pairs), each composed as it will run and kept in
+    `keep` by job number, for run_unit; None for a job whose config cannot be built (it says why as it runs)."""
     cfgs = []
     before = HydraConfig.instance().cfg
     try:
         for idx, overrides in jobs:
-            sweep_config = _compose(hydra_context, config, idx, overrides)
-            if keep is not None:
-                keep[idx] = sweep_config
+            keep[idx] = sweep_config = _compose(hydra_context, config, idx, overrides)
             try:
                 cfgs.append(RunConfig.from_dict(task_dict(sweep_config)))
             except Exception:
                 cfgs.append(None)
     finally:
         HydraConfig.instance().cfg = before
-    return [[jobs[i] for i in group] for group in pack_groups(cfgs)]
+    return cfgs
 
 
 def asks_for_packs(config: DictConfig, job_overrides: Sequence[Sequence[str]]) -> bool:
@@ -209,10 +216,10 @@ def asks_for_packs(config: DictConfig, job_overrides: Sequence[Sequence[str]]) -
 
 
 def _run_in_worker(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, config, task_function, singleton_state,
-                   setting: tuple[int, float, dict]) -> list[JobReturn]:
-    """A unit of jobs (run_unit) in a worker process, under the launch's `setting` (threads, share of the GPU's memory,
-    the MPS daemon's environment: applied before CUDA starts); then the GPU memory it cached is handed back, so the
-    slot's next unit (and its neighbours) get it."""
+                   setting: tuple[int, float, dict], places: dict) -> list[JobReturn]:
+    """A unit of jobs (run_unit, its jobs landing at `places`) in a worker process, under the launch's `setting`
+    (threads, share of the GPU's memory, the MPS daemon's environment: applied before CUDA starts); then the GPU memory
+    it cached is handed back, so the slot's next unit (and its neighbours) get it."""
     apply_setting(*setting)
     import torch  # heavy: only a worker, pinned to its GPU, loads it (Hydra's plugin scan imports this module)
 
@@ -222,7 +229,7 @@ def _run_in_worker(unit: Sequence[tuple[int, Sequence[str]]], hydra_context, con
     setup_globals()
     _set_singletons(singleton_state)
     try:
-        return [_picklable(ret) for ret in run_unit(unit, hydra_context, config, task_function)]
+        return [_picklable(ret) for ret in run_unit(unit, hydra_context, config, task_function, places=places)]
     finally:
         gc.collect()
         if torch.cuda.is_initialized():
@@ -281,23 +288,27 @@ class NormlabLauncher(BasicLauncher):
 
     def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         jobs = list(enumerate(job_overrides, start=initial_job_idx))
-        units, composed = [[job] for job in jobs], {}
-        if asks_for_packs(self.config, job_overrides):
+        units, composed, places = [[job] for job in jobs], {}, {}
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        # A grid sweep run again in its dir: each job lands where its run is (a search sweeper's trials, where Hydra puts them).
+        rerun = self.config.hydra.sweeper.get("_target_") == BASIC_SWEEPER and bool(recorded_runs(sweep_dir))
+        if rerun or asks_for_packs(self.config, job_overrides):
             setup_globals()
-            units = pack_units(self.hydra_context, self.config, jobs, keep=composed)
+            cfgs = compose_jobs(self.hydra_context, self.config, jobs, keep=composed)
+            places = job_places(sweep_dir, composed, dict(zip(composed, cfgs))) if rerun else {}
+            units = [[jobs[i] for i in group] for group in pack_groups(cfgs)]
         slots = plan_slots(visible_gpus(self.devices), self.jobs_per_gpu, self.cpu_jobs)[: len(units)]
         if len(slots) <= 1 and self.workers is not None:  # one slot: the jobs run here
             self.workers.keep(0)
             self.workers = None
         if len(slots) > 1:
-            sweep_dir = Path(str(self.config.hydra.sweep.dir))
             with sweep_mps(sweep_dir, wants_mps(self.mps, slots, runs_cuda_graphs(self.config, job_overrides))) as mps:
                 if mps.line:
                     log.info(mps.line)
-                return self._launch_concurrently(units, slots, mps.env)
-        return self._launch_in_turn(units, composed)
+                return self._launch_concurrently(units, slots, mps.env, places)
+        return self._launch_in_turn(units, composed, places)
 
-    def _launch_in_turn(self, units: list, composed: dict) -> list[JobReturn]:
+    def _launch_in_turn(self, units: list, composed: dict, places: dict) -> list[JobReturn]:
         """The units one after another in this process, as Hydra's basic launcher runs its jobs (and says so), but
         through run_unit: a job whose run already ended is answered without Hydra's run_job (task.ended_job)."""
         setup_globals()
@@ -309,11 +320,12 @@ class NormlabLauncher(BasicLauncher):
         for unit in units:
             for idx, overrides in unit:
                 log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}" + (f"  [pack of {len(unit)}]" if len(unit) > 1 else ""))
-            returns += zip([idx for idx, _ in unit], run_unit(unit, self.hydra_context, self.config, self.task_function, composed))
+            returns += zip([idx for idx, _ in unit],
+                           run_unit(unit, self.hydra_context, self.config, self.task_function, composed, places))
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return [ret for _, ret in sorted(returns, key=lambda pair: pair[0])]
 
-    def _launch_concurrently(self, units: list, slots: list, env: dict) -> list[JobReturn]:
+    def _launch_concurrently(self, units: list, slots: list, env: dict, places: dict) -> list[JobReturn]:
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
@@ -350,7 +362,8 @@ class NormlabLauncher(BasicLauncher):
                         packed = f", pack of {len(unit)}" if len(unit) > 1 else ""
                         log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}  [{place}{packed}]")
                     future = workers[slot].submit(in_unit, _run_in_worker, unit, self.hydra_context, config,
-                                                  self.task_function, state, setting)
+                                                  self.task_function, state, setting,
+                                                  {idx: places[idx] for idx, _ in unit if idx in places})
                     running[future] = (slot, [idx for idx, _ in unit])
                 if not running:
                     break

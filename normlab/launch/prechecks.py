@@ -5,8 +5,8 @@ Besides normlab.launch.overrides' checks of the command line and of each job's c
 the values of config groups and top-level keys (check_values), resume paths (precheck), every job a
 sweep launches, as the configured sweeper expands it (sweep_jobs), composed and validated whole
 (check_jobs, with `norm.KNOB=...` overrides forced so that a knob the norm lacks is named in one line),
-a grid sweep's job dirs (sweep_dirs.check_sweep_dirs: inside the sweep dir, and in a sweep run again, holding
-no records of another config) and packs (check_packing). All raise ConfigError.
+a grid sweep's job dirs (sweep_dirs.check_sweep_dirs: inside the sweep dir, and in a sweep run again, each job where
+its run is, with the sweep's values of the keys neither sweeps) and packs (check_packing). All raise ConfigError.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from normlab.launch.overrides import check_command_line, check_composition, quot
 from normlab.launch.resolvers import task_dict
 from normlab.launch.resume import with_continue_command
 from normlab.launch.sweep_dirs import check_sweep_dirs
+from normlab.launch.sweep_index import BASIC_SWEEPER
 
 CONFIG_MODULE = "normlab.conf"
 CONFIG_GROUPS = ("model", "norm", "data", "tokenizer", "optim", "experiment")
-BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 NORMLAB_LAUNCHER = "hydra_plugins.normlab_launcher.normlab_launcher.NormlabLauncher"
 
 
@@ -272,8 +272,8 @@ def check_jobs(overrides: list[str], config_dirs: list[str], multirun: bool, com
         return  # Hydra reports what it cannot compose in its own words when it runs
     finally:
         GlobalHydra.instance().clear()
-    if grid:
-        check_sweep_dirs(job_cfgs, cfgs)
+    if grid:  # normlab's launcher lands each job where its run is; another launcher, in the dir of its place
+        check_sweep_dirs(job_cfgs, cfgs, None if plugins["launcher_target"] == NORMLAB_LAUNCHER else plugins["launcher"])
     check_packing(cfgs, plugins)
 
 

@@ -3,7 +3,8 @@
 `SweepReport` is a Hydra callback (conf/hydra/callbacks/sweep_report.yaml), so it works under every
 launcher: the basic one, normlab's concurrent one, joblib's, submitit's. It reads each job's
 summary.json (what train() writes at the end of a run), never the training loop's internals, and
-writes the same text to the terminal and to `<sweep dir>/sweep.log`.
+writes the same text to the terminal and to `<sweep dir>/sweep.log`. As a grid sweep starts, it adds its command
+to the sweep's record (normlab.launch.sweep_record).
 
 Imports stay light (no torch): Hydra instantiates the callback before any job runs.
 """
@@ -21,6 +22,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 
 from normlab.launch import job_outcome
+from normlab.launch.sweep_index import BASIC_SWEEPER
+from normlab.launch.sweep_record import record_command
 
 LOG_NAME = "sweep.log"
 
@@ -192,6 +195,8 @@ class SweepReport(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         log = Path(config.hydra.sweep.dir) / LOG_NAME
         self.log_start = log.stat().st_size if log.is_file() else 0
+        if config.hydra.sweeper.get("_target_") == BASIC_SWEEPER:  # a grid's jobs; a search sweeper draws its trials
+            record_command(config.hydra.sweep.dir, config.hydra)  # before Hydra's multirun.yaml is this command's alone
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         if config.hydra.mode != RunMode.MULTIRUN:

@@ -1,0 +1,132 @@
+"""A sweep dir is one experiment: a run in it is known by its config and seed, not by the place of its values in
+today's command line. Run again in its sweep dir with a subset of the values, in another order or with one more
+value, a sweep finds each run it has wherever its dir is and trains only the new ones; each run is in the table
+once; the sweep's record keeps every command that added to it. A value of a key neither the sweep nor the command
+sweeps must be the sweep's, new jobs included."""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cli_here import normlab_here
+
+COMMON = ["model=tiny", "batch_size=4", "seq_len=16", "max_steps=4", "eval_every=2", "eval_batches=2", "log_every=1",
+          "progress=false", "wandb.mode=disabled"]
+THREE = ["layer-pre-d2-lr1e-3-s0", "layer-pre-d2-lr3e-3-s0", "layer-pre-d2-lr1e-2-s0"]
+
+
+def sweep(sweep_dir, *overrides, cwd):
+    """`normlab train -m COMMON OVERRIDES hydra.sweep.dir=SWEEP_DIR`, an override of a COMMON key replacing it."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    common = [o for o in COMMON if o.split("=", 1)[0] not in keys]
+    return normlab_here("train", "-m", *common, *overrides, f"hydra.sweep.dir={sweep_dir}", cwd=cwd)
+
+
+def snapshot(path):
+    """{relative path: sha256} of every file under `path`."""
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(path).rglob("*")) if p.is_file()}
+
+
+def job_dirs(sweep_dir):
+    return sorted(p.name for p in Path(sweep_dir).iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def one_error_line(stderr, *words):
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("normlab: error: "), stderr[-3000:]
+    assert "Traceback" not in stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def trained(result):
+    """The run names the command trained (their runs' last lines), in order."""
+    return [line.split("] - ", 1)[1].split(" completed:")[0] for line in result.stdout.splitlines()
+            if "[normlab][INFO]" in line and " completed: final val loss" in line]
+
+
+@pytest.fixture(scope="module")
+def three_lrs(tmp_path_factory):
+    """A sweep of three lrs, each run to its end, made once; tests take copies."""
+    root = tmp_path_factory.mktemp("three_lrs")
+    result = sweep(root / "sweep", "lr=1e-3,3e-3,1e-2", cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert job_dirs(root / "sweep") == [f"{n}_{name}" for n, name in enumerate(THREE)]
+    return root / "sweep"
+
+
+@pytest.fixture
+def sweep_copy(three_lrs, tmp_path):
+    shutil.copytree(three_lrs, tmp_path / "sweep")
+    return tmp_path / "sweep"
+
+
+def test_a_subset_another_order_and_one_more_value_train_only_the_new_run(sweep_copy, tmp_path):
+    before = {name: snapshot(sweep_copy / name) for name in job_dirs(sweep_copy)}
+    for values in ("lr=1e-2", "lr=3e-3,1e-3"):  # the last job alone (job 0 of this command), then two in reverse
+        again = sweep(sweep_copy, values, cwd=tmp_path)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert trained(again) == [] and again.stderr.count("already completed") == values.count(",") + 1
+        assert {name: snapshot(sweep_copy / name) for name in job_dirs(sweep_copy)} == before  # byte for byte
+        assert "sweep: 3 jobs (3 completed)" in again.stdout
+    grown = sweep(sweep_copy, "lr=3e-2,1e-3", cwd=tmp_path)  # a new value first: numbered after the sweep's jobs
+    assert grown.returncode == 0, grown.stderr[-3000:]
+    assert trained(grown) == ["layer-pre-d2-lr3e-2-s0"]
+    assert job_dirs(sweep_copy) == [*before, "3_layer-pre-d2-lr3e-2-s0"]
+    assert "job 3 layer-pre-d2-lr3e-2-s0: completed" in grown.stdout and "sweep: 4 jobs (4 completed)" in grown.stdout
+    listed = normlab_here("ls", str(sweep_copy), cwd=tmp_path)
+    runs = [line for line in listed.stdout.splitlines() if line.startswith("completed")]
+    assert len(runs) == 4 and all(sum(name in line for line in runs) == 1 for name in job_dirs(sweep_copy))
+
+
+def test_the_sweeps_record_keeps_every_command(sweep_copy, tmp_path):
+    again = sweep(sweep_copy, "lr=1e-2", "overwrite=true", cwd=tmp_path)  # job 2 afresh, in its own dir
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert trained(again) == ["layer-pre-d2-lr1e-2-s0"] and job_dirs(sweep_copy) == [f"{n}_{name}" for n, name in enumerate(THREE)]
+    assert sweep(sweep_copy, "lr=3e-2", cwd=tmp_path).returncode == 0
+    record = yaml.safe_load((sweep_copy / "sweep.yaml").read_text())
+    assert [c["overrides"][-1] for c in record["commands"]] == ["lr=1e-3,3e-3,1e-2", "overwrite=true", "lr=3e-2"]
+
+
+def test_a_packed_sweep_run_again_with_one_more_seed_trains_only_the_new_members(tmp_path):
+    first = sweep(tmp_path / "sweep", "pack=true", "lr=1e-3,3e-3", "seed=0,1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ran = {name: json.loads((tmp_path / "sweep" / name / "summary.json").read_text()) for name in job_dirs(tmp_path / "sweep")}
+    again = sweep(tmp_path / "sweep", "pack=true", "lr=1e-3,3e-3", "seed=0,1,2", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted(trained(again)) == ["layer-pre-d2-lr1e-3-s2", "layer-pre-d2-lr3e-3-s2"]
+    assert job_dirs(tmp_path / "sweep") == sorted([*ran, "4_layer-pre-d2-lr1e-3-s2", "5_layer-pre-d2-lr3e-3-s2"])
+    for name, summary in ran.items():  # the finished members' records as they were
+        assert json.loads((tmp_path / "sweep" / name / "summary.json").read_text()) == summary
+
+
+@pytest.mark.parametrize("change, was, now", [
+    (["max_steps=6", "lr=3e-2"], "max_steps=4", "max_steps=6"),  # a new job alone
+    (["depth=3", "lr=1e-3,3e-3"], "depth=2", "depth=3"),
+], ids=["max_steps", "depth"])
+def test_a_value_the_sweep_does_not_sweep_is_refused_for_new_jobs_too(sweep_copy, tmp_path, change, was, now):
+    before = snapshot(sweep_copy)
+    again = sweep(sweep_copy, *change, cwd=tmp_path)
+    assert again.returncode == 2
+    one_error_line(again.stderr, f"hydra.sweep.dir={sweep_copy}", f"ran with {was}", f"this command gives {now}")
+    assert snapshot(sweep_copy) == before
+
+
+def test_a_key_the_command_sweeps_may_take_a_new_value_beside_the_sweeps(sweep_copy, tmp_path):
+    again = sweep(sweep_copy, "depth=2,3", "lr=1e-2", cwd=tmp_path)  # depth 2 is the sweep's: found, not trained again
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert trained(again) == ["layer-pre-d3-lr1e-2-s0"] and "3_layer-pre-d3-lr1e-2-s0" in job_dirs(sweep_copy)
+
+
+def test_another_launcher_that_would_train_a_run_again_is_refused(sweep_copy, tmp_path):
+    before = snapshot(sweep_copy)
+    again = sweep(sweep_copy, "lr=1e-2", "hydra/launcher=basic", cwd=tmp_path)
+    assert again.returncode == 2
+    one_error_line(again.stderr, "hydra/launcher=basic", "job 0 (layer-pre-d2-lr1e-2-s0)", "2_layer-pre-d2-lr1e-2-s0")
+    assert snapshot(sweep_copy) == before

@@ -1,11 +1,12 @@
 """A sweep dir is one experiment: a run in it is known by its config and seed, not by the place of its values in
 today's command line. Run again in its sweep dir with a subset of the values, in another order or with one more
 value, a sweep finds each run it has wherever its dir is and trains only the new ones; each run is in the table
-once; the sweep's record keeps every command that added to it. A value of a key neither the sweep nor the command
-sweeps must be the sweep's, new jobs included."""
+once; the sweep's record keeps every command that added to it, and `normlab resume <sweep dir>` names them all. A
+value of a key neither the sweep nor the command sweeps must be the sweep's, new jobs included."""
 
 import hashlib
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -85,13 +86,36 @@ def test_a_subset_another_order_and_one_more_value_train_only_the_new_run(sweep_
     assert len(runs) == 4 and all(sum(name in line for line in runs) == 1 for name in job_dirs(sweep_copy))
 
 
-def test_the_sweeps_record_keeps_every_command(sweep_copy, tmp_path):
+def test_the_sweeps_record_keeps_every_command_and_resume_continues_them_all(sweep_copy, tmp_path):
     again = sweep(sweep_copy, "lr=1e-2", "overwrite=true", cwd=tmp_path)  # job 2 afresh, in its own dir
     assert again.returncode == 0, again.stderr[-3000:]
     assert trained(again) == ["layer-pre-d2-lr1e-2-s0"] and job_dirs(sweep_copy) == [f"{n}_{name}" for n, name in enumerate(THREE)]
     assert sweep(sweep_copy, "lr=3e-2", cwd=tmp_path).returncode == 0
     record = yaml.safe_load((sweep_copy / "sweep.yaml").read_text())
     assert [c["overrides"][-1] for c in record["commands"]] == ["lr=1e-3,3e-3,1e-2", "overwrite=true", "lr=3e-2"]
+
+    told = normlab_here("resume", str(sweep_copy), cwd=tmp_path)
+    assert told.returncode == 2
+    line = one_error_line(told.stderr, "a sweep dir", "lr=1e-3,3e-3,1e-2,3e-2", f"hydra.sweep.dir={sweep_copy}")
+    assert "overwrite" not in line
+    command = shlex.split(line.split("continue its jobs: ", 1)[1])
+    assert command[:3] == ["normlab", "train", "-m"]
+    pasted = normlab_here(*command[1:], cwd=tmp_path)  # every job of the grid, none trained again
+    assert pasted.returncode == 0, pasted.stderr[-3000:]
+    assert trained(pasted) == [] and pasted.stderr.count("already completed") == 4 and len(job_dirs(sweep_copy)) == 4
+
+
+def test_resume_names_each_command_whose_jobs_no_one_command_holds(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    commands = [(["norm=rms,layer", "lr=1e-3"], []), (["norm=rms", "lr=3e-3", "overwrite=true"], ["hydra.launcher.cpu_jobs=2"]),
+                (["norm=layer", "lr=1e-3", "ckpt.keep=2"], [])]  # the last one's jobs are the first one's
+    (sweep_dir / "sweep.yaml").write_text(yaml.safe_dump({"commands": [
+        {"overrides": o, "hydra": h, "config_dir": None, "config_name": None} for o, h in commands]}))
+    told = normlab_here("resume", str(sweep_dir), cwd=tmp_path)
+    assert told.returncode == 2
+    one_error_line(told.stderr, f"normlab train -m norm=rms,layer lr=1e-3 ckpt.keep=2 hydra.sweep.dir={sweep_dir} && "
+                   f"normlab train -m hydra.launcher.cpu_jobs=2 norm=rms lr=3e-3 hydra.sweep.dir={sweep_dir}")
 
 
 def test_a_packed_sweep_run_again_with_one_more_seed_trains_only_the_new_members(tmp_path):

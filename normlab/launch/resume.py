@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from normlab.config import ConfigError, RunConfig, bookkeeping_keys, flatten_config
 from normlab.launch.overrides import quoted_value
+from normlab.launch.sweep_record import config_dir_of, recorded_commands, sweep_command
 
 SAVED_OVERRIDES = Path(".hydra") / "overrides.yaml"
 SAVED_HYDRA = Path(".hydra") / "hydra.yaml"
@@ -53,7 +54,7 @@ class SavedRun:
         hydra = (_yaml(run_dir / SAVED_HYDRA) or {}).get("hydra") or {}
         saved.hydra_overrides = [str(o) for o in (hydra.get("overrides") or {}).get("hydra") or []
                                  if str(o).split("=", 1)[0] in REPLAYED_HYDRA]
-        saved.config_dir = _config_dir(hydra)
+        saved.config_dir = config_dir_of(hydra)
         name = (hydra.get("job") or {}).get("config_name")
         saved.config_name = name if name and name != "config" else None
         try:
@@ -62,14 +63,6 @@ class SavedRun:
         except (OSError, ValueError):
             saved.config = None
         return saved
-
-
-def _config_dir(hydra: dict) -> str | None:
-    """The --config-dir a run was launched with, from its saved hydra node."""
-    for source in (hydra.get("runtime") or {}).get("config_sources") or []:
-        if source.get("provider") == "command-line" and source.get("schema") == "file":
-            return str(source.get("path"))
-    return None
 
 
 def _yaml(path: Path) -> Any:
@@ -97,10 +90,9 @@ def saved_run_of(spec: str) -> SavedRun | None:
     if not run_dir.is_dir():
         return None
     saved = SavedRun.read(run_dir)
-    if saved is None and (run_dir / "multirun.yaml").is_file():
-        command = sweep_command(_yaml(run_dir / "multirun.yaml"), run_dir)
+    if saved is None and recorded_commands(run_dir):
         raise ConfigError(f"resume={spec}: a sweep dir, not a run dir: run the sweep again in it to continue its "
-                          f"jobs: {command}")
+                          f"jobs: {sweep_command(run_dir)}")
     return saved
 
 
@@ -214,13 +206,3 @@ def _absolute_config_dir(argv: list[str]) -> list[str]:
         elif arg.startswith("--config-dir="):
             out[i] = "--config-dir=" + os.path.join(launch_dir, arg.split("=", 1)[1])
     return out
-
-
-def sweep_command(multirun_yaml: Any, sweep_dir: Path) -> str:
-    """The command that runs the sweep saved in `multirun_yaml` (its multirun.yaml) again in `sweep_dir`."""
-    hydra = (multirun_yaml or {}).get("hydra") or {}
-    task = (hydra.get("overrides") or {}).get("task") or []
-    config_dir = _config_dir(hydra)
-    options = ["-m", *(["--config-dir", config_dir] if config_dir else [])]
-    sweep = "hydra.sweep.dir=" + quoted_value(str(sweep_dir.absolute()))
-    return shlex.join(["normlab", "train", *options, *map(str, task), sweep])

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from normlab.nn.model import GPT
 from normlab.train.sinks import MetricsFile, RunDir, Sink
 from normlab.train.run import build_state, train
 
-TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step", "phases")
+TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step", "phases", "segments")
 
 
 # Bit-exact comparisons need the same reduction order in every run: one torch thread.
@@ -83,6 +84,35 @@ def test_a_signalled_run_checkpoints_at_the_step_boundary_and_resumes_exactly(tm
     saved = json.loads(run_dir.summary_path.read_text())
     assert _without(saved) == _without(json.loads((tmp_path / "whole" / "summary.json").read_text()))
     assert [s for s, _ in list_checkpoints(run_dir.path)] == [8]
+
+
+class SlowAt(Sink):
+    """A sink that takes `seconds` over the record of `step`: a segment of the run that costs wall time."""
+
+    def __init__(self, step, seconds):
+        self.step, self.seconds = step, seconds
+
+    def log(self, record):
+        if record["step"] == self.step:
+            time.sleep(self.seconds)
+
+
+def test_a_resumed_runs_wall_time_counts_every_segment_and_records_them_apart(tmp_path):
+    run_dir = RunDir(tmp_path / "cut")
+    with preempt.watch():
+        with pytest.raises(preempt.Preempted):
+            train(_cfg(), run_dir, sinks=[MetricsFile(run_dir), SlowAt(2, 0.6), SignalAt(3, signal.SIGTERM)])
+    first = json.loads(run_dir.summary_path.read_text())
+    assert first["wall_time_s"] >= 0.6 and "segments" not in first  # one segment so far
+
+    summary = train(_cfg(), run_dir)  # resumes from the checkpoint of step 4
+    on_disk = json.loads(run_dir.summary_path.read_text())
+    segments = on_disk["segments"]
+    assert [(s["from_step"], s["to_step"]) for s in segments] == [(0, 4), (4, 8)]
+    assert segments[0]["wall_time_s"] >= 0.6  # the first process's time, up to its checkpoint
+    assert on_disk["wall_time_s"] == pytest.approx(sum(s["wall_time_s"] for s in segments), abs=0.002)
+    assert on_disk["wall_time_s"] >= on_disk["train_time_s"]  # the whole run's steps, in both processes
+    assert summary["wall_time_s"] == on_disk["wall_time_s"] and summary["segments"] == segments
 
 
 def test_resuming_a_finished_run_changes_nothing(tmp_path):

@@ -339,6 +339,10 @@ def test_a_pack_resumed_from_its_checkpoints_continues_exactly(tmp_path, one_thr
         assert worst == 0, where  # bit for bit
         assert resumed[i]["final_val_loss"] == whole[i]["final_val_loss"]
         assert resumed[i]["resumed_from_step"] == 5
+        # the wall time of both processes, each member's segments apart (the first up to its checkpoint)
+        segments = resumed[i]["segments"]
+        assert [(seg["from_step"], seg["to_step"]) for seg in segments] == [(0, 5), (5, 8)]
+        assert resumed[i]["wall_time_s"] == pytest.approx(sum(seg["wall_time_s"] for seg in segments), abs=0.002)
 
 
 def test_a_members_checkpoint_resumes_unpacked(tmp_path, one_thread):

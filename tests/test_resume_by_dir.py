@@ -22,7 +22,7 @@ from normlab.cli import main
 RUN = ["model=tiny", "batch_size=4", "seq_len=16", "max_steps=120", "eval_every=40", "eval_batches=2",
        "log_every=5", "ckpt.every=10", "lr=1e-3", "progress=false", "wandb.mode=disabled"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread: bit-exact reductions, so rows compare equal
-TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step", "phases")
+TIMING = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step", "phases", "segments")
 
 
 def start(*args, cwd):

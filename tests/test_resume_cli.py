@@ -36,7 +36,7 @@ def rows(run_dir):
 
 
 def comparable(rows_or_summary):
-    drop = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step", "phases")
+    drop = ("tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s", "resumed_from_step", "phases", "segments")
     if isinstance(rows_or_summary, dict):
         return {k: v for k, v in rows_or_summary.items() if k not in drop}
     return [{k: v for k, v in r.items() if k not in drop} for r in rows_or_summary]

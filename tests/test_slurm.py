@@ -30,7 +30,7 @@ TINY = ["model=tiny", "batch_size=4", "seq_len=16", "eval_batches=2", "progress=
 SHORT = [*TINY, "max_steps=6", "eval_every=3", "log_every=1"]
 # Long enough (several seconds) for the test to signal the job while it trains.
 LONG = [*TINY, "max_steps=800", "eval_every=400", "log_every=50", "ckpt.every=50"]
-DROP = ("tokens_per_s", "wall_time_s", "eval_time_s", "resumed_from_step", "preempted_step", "phases")
+DROP = ("tokens_per_s", "wall_time_s", "eval_time_s", "resumed_from_step", "preempted_step", "phases", "segments")
 # One cluster on this machine: under pytest-xdist every test here runs in the same worker.
 pytestmark = pytest.mark.xdist_group("slurm")
 

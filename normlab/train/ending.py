@@ -17,10 +17,9 @@ import collections
 import contextlib
 import sys
 import threading
-import time
 from typing import Any, Callable, Sequence
 
-from normlab.train.phases import Phases
+from normlab.train.phases import Phases, RunClock
 from normlab.train.sinks import RunDir, Sink, finish_all
 
 _lock = threading.Lock()
@@ -39,26 +38,25 @@ class RunEnd:
 
 
 def record_end(run_dir: RunDir | None, summary: dict[str, Any], sinks: list[Sink], exit_code: int,
-               phases: Phases | None = None, started: float | None = None,
+               phases: Phases | None = None, clock: RunClock | None = None,
                products: Sequence[Callable[[], None]] = ()) -> BaseException | None:
     """Make the `products` (each timed as `products`; one that fails makes the run failed), write summary.json
     (into `run_dir`, when given) and finish every sink, whatever fails on the way; return the first failure, or
     None. With `phases`, summary.json is written again once the sinks are finished, with their time and the whole
-    wall time since `started`."""
-    wall = None if started is None else (lambda: time.time() - started)
-    return _close(run_dir, summary, sinks, exit_code, phases, wall, products)
+    wall time the run's `clock` counts."""
+    return _close(run_dir, summary, sinks, exit_code, phases, clock, products)
 
 
 def _close(run_dir: RunDir | None, summary: dict[str, Any], sinks: list[Sink], exit_code: int, phases: Phases | None,
-           wall: Callable[[], float] | None, products: Sequence[Callable[[], None]] = ()) -> BaseException | None:
+           clock: RunClock | None, products: Sequence[Callable[[], None]] = ()) -> BaseException | None:
     failure: BaseException | None = None
     writes = run_dir is not None and run_dir.gone() is None  # never into a dir made again at a vanished one's path
     timed = (lambda name: phases.time(name)) if phases is not None else (lambda name: contextlib.nullcontext())
 
     def write() -> None:
         nonlocal failure, writes
-        if wall is not None:
-            summary["wall_time_s"] = round(wall(), 3)
+        if clock is not None:
+            clock.record(summary)
         if phases is not None:
             summary["phases"] = phases.record()
         if writes:
@@ -83,15 +81,15 @@ def _close(run_dir: RunDir | None, summary: dict[str, Any], sinks: list[Sink], e
     return failure or finished
 
 
-def hand_over(run_dir: RunDir, summary: dict[str, Any], sinks: list[Sink], phases: Phases, started: float,
+def hand_over(run_dir: RunDir, summary: dict[str, Any], sinks: list[Sink], phases: Phases, clock: RunClock,
               end: RunEnd) -> BaseException | None:
     """A completed run's end, off the critical path: summary.json now, with how the run ended; then, in the end
     thread, under the run dir's lock, the products, the sinks' finish and summary.json again (its wall_time_s:
     the run's time until now plus the end's own). Where summary.json cannot be written now, the whole end runs
     at once, as record_end runs it, and its failure is returned. A failure of the end in the thread is recorded
     in summary.json (status failed, `error`) and said on stderr."""
-    handed = time.time() - started
-    summary.update(wall_time_s=round(handed, 3), phases=phases.record())
+    clock.record(summary)
+    summary["phases"] = phases.record()
     try:
         if run_dir.gone() is not None:
             raise FileNotFoundError(run_dir.path)
@@ -99,13 +97,12 @@ def hand_over(run_dir: RunDir, summary: dict[str, Any], sinks: list[Sink], phase
             run_dir.write_summary(summary)
         release = run_dir.hold()
     except Exception:
-        return record_end(run_dir, summary, sinks, 0, phases, started, end.tasks)
+        return record_end(run_dir, summary, sinks, 0, phases, clock, end.tasks)
     final = dict(summary)  # the caller's summary stays as it was handed over
 
     def finish() -> None:
-        began = time.perf_counter()
         try:
-            trouble = _close(run_dir, final, sinks, 0, phases, lambda: handed + time.perf_counter() - began, end.tasks)
+            trouble = _close(run_dir, final, sinks, 0, phases, clock, end.tasks)
             if trouble is not None and final.get("status") != "failed":
                 final.update(status="failed", error=f"the run's end: {type(trouble).__name__}: {trouble}")
                 if run_dir.gone() is None:

@@ -16,7 +16,7 @@ They are measured one by one (nothing is a remainder), so their sum is the job's
 summary.json's wall_time_s, less what no phase covers (a few milliseconds). A sweep's job hands its end
 over (normlab.train.ending): its `products` and the `sinks`' finish then run while the next job does, and
 the next job's `startup` counts from the hand-over, so a sweep's phases may add up to more than its slots'
-time.
+time. A resumed run's phases are its last segment's (its process's); its wall_time_s counts every segment (RunClock).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Mapping, Sequence
 
 # When this process's previous run (a sweep's job) ended, by time.time(); None before the first.
 _last_end: float | None = None
@@ -81,3 +81,30 @@ def process_start() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+class RunClock:
+    """A run's wall time across its segments: a run stopped and resumed ran in several processes. `earlier`: the
+    segments before this one, as the checkpoint it resumed from recorded them (from_step, to_step, wall_time_s: each
+    counted up to the checkpoint the next one resumed from, since the steps after it were trained again); this
+    segment began at `started` (time.time()) at step `start_step`."""
+
+    def __init__(self, started: float, start_step: int = 0, earlier: Sequence[Mapping[str, Any]] = ()):
+        self.started, self.start_step, self.earlier = started, start_step, [dict(s) for s in earlier]
+
+    @classmethod
+    def resuming(cls, started: float, checkpoint) -> "RunClock":
+        """The clock of a run that began its segment at `started` and resumes `checkpoint` (None: a fresh start)."""
+        return cls(started) if checkpoint is None else cls(started, checkpoint.step, checkpoint.segments)
+
+    def segments(self, to_step: int | None, now: float | None = None) -> list[dict[str, Any]]:
+        """Every segment of the run, this one until `now` (default: now), at step `to_step`."""
+        seconds = (time.time() if now is None else now) - self.started
+        return [*self.earlier, {"from_step": self.start_step, "to_step": to_step, "wall_time_s": round(seconds, 3)}]
+
+    def record(self, summary: dict[str, Any]) -> None:
+        """Into `summary`: wall_time_s, the run's until now, every segment's; and for a resumed run, `segments`."""
+        now = time.time()
+        summary["wall_time_s"] = round(sum(s["wall_time_s"] for s in self.earlier) + now - self.started, 3)
+        if self.earlier:
+            summary["segments"] = self.segments(summary.get("steps", summary.get("preempted_step")), now)

@@ -40,7 +40,7 @@ from normlab.train.ending import RunEnd, drain, hand_over, record_end
 from normlab.train.environment import run_environment
 from normlab.train.loop import SET_ASIDE, batch_loader, emit, held_out_batches, run_steps
 from normlab.train.optim import param_groups
-from normlab.train.phases import Phases, run_ended, startup_seconds
+from normlab.train.phases import Phases, RunClock, run_ended, startup_seconds
 from normlab.train.preempt import Preempted
 from normlab.telemetry.probe import Probe
 from normlab.train.runlog import run_log
@@ -111,6 +111,7 @@ def _train_in(cfg: RunConfig, run_dir: RunDir, sinks: list[Sink] | None, callbac
     with phases.time("setup"):
         resumed = resolve_resume(cfg, run_dir.path)
         summary = summary_head(cfg)
+    clock = RunClock.resuming(started, resumed)
     opened: list[Sink] = []
     exit_code = 1
     try:
@@ -124,7 +125,7 @@ def _train_in(cfg: RunConfig, run_dir: RunDir, sinks: list[Sink] | None, callbac
                 check_resumable(cfg, resumed, callbacks)
             wandb_run_id = (resumed.wandb_run_id if resumed else None) or secrets.token_hex(4)
             checkpointer = Checkpointer(run_dir.path, cfg, wandb_run_id=wandb_run_id, corpus_sha256=corpus.sha256,
-                                        world_size=distributed.world_size(), writes=writes)
+                                        world_size=distributed.world_size(), writes=writes, clock=clock)
         if writes:
             _open_run_dir(cfg, run_dir, corpus, resumed, wandb_run_id, sinks, opened, phases)
         summary.update(_fit(cfg, corpus, opened, checkpointer, resumed, callbacks, run_dir if writes else None, phases,
@@ -147,9 +148,9 @@ def _train_in(cfg: RunConfig, run_dir: RunDir, sinks: list[Sink] | None, callbac
     finally:
         preempt.training_started()  # no signal may cut the records of the run's end short
         if end is not None and exit_code == 0:
-            trouble = hand_over(run_dir, summary, opened, phases, started, end)
+            trouble = hand_over(run_dir, summary, opened, phases, clock, end)
         else:
-            trouble = record_end(run_dir if writes else None, summary, opened, exit_code, phases, started,
+            trouble = record_end(run_dir if writes else None, summary, opened, exit_code, phases, clock,
                                  end.tasks if end is not None else ())
         run_ended()
     if trouble is not None:

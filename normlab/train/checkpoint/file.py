@@ -138,6 +138,17 @@ class Checkpoint:
     def wandb_run_id(self) -> str | None:
         return self.payload.get("wandb_run_id")
 
+    @property
+    def segments(self) -> list[dict[str, Any]]:
+        """The run's segments up to this checkpoint (normlab.train.phases.RunClock): from_step, to_step, wall_time_s;
+        [] for a checkpoint that holds none (or none readable), as an older normlab's."""
+        segments = self.payload.get("segments")
+        keys = {"from_step": int, "to_step": int, "wall_time_s": (int, float)}
+        if not isinstance(segments, list) or not all(
+                isinstance(s, dict) and all(isinstance(s.get(k), t) for k, t in keys.items()) for s in segments):
+            return []
+        return [{k: s[k] for k in keys} for s in segments]
+
     def check_config(self, cfg: RunConfig) -> None:
         """Raise CheckpointError if `cfg` trains differently from the run that wrote this checkpoint."""
         differ = config_difference(self.payload["config"], cfg)
@@ -204,8 +215,9 @@ class Checkpointer:
     knows when one is due. Only the writing process (rank 0) passes writes=True."""
 
     def __init__(self, run_dir: str | os.PathLike, cfg: RunConfig, *, wandb_run_id: str | None,
-                 corpus_sha256: str, world_size: int = 1, writes: bool = True):
-        self.run_dir = Path(run_dir)
+                 corpus_sha256: str, world_size: int = 1, writes: bool = True, clock=None):
+        """`clock`: the run's normlab.train.phases.RunClock, whose segments each checkpoint keeps (None: none kept)."""
+        self.run_dir, self.clock = Path(run_dir), clock
         self.every, self.keep, self.max_steps = cfg.ckpt.every, cfg.ckpt.keep, cfg.max_steps
         self.writes = writes
         self._identity = {
@@ -235,6 +247,8 @@ class Checkpointer:
             "rng": capture_rng(),
             **self._identity,
         }
+        if self.clock is not None:  # the run's time so far, which a run resuming from this checkpoint adds to its own
+            payload["segments"] = self.clock.segments(state.step)
         return checkpoint_path(self.run_dir, state.step), payload
 
     def write(self, path: Path, payload: dict[str, Any]) -> Path:

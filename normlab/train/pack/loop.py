@@ -25,6 +25,7 @@ from normlab.train.callbacks import BatchNormSteps, RunReport, TelemetryProducts
 from normlab.train.checkpoint import Checkpoint, Checkpointer
 from normlab.train.loop import HeldOut, loss_fn, z_loss_term
 from normlab.train.optim import lr_at
+from normlab.train.phases import RunClock
 from normlab.train.pack.checkpoint import OptimizerLayout, Saved, guard_state, member_checkpoint_state, restore_member
 from normlab.telemetry.packed import PackedProbe
 from normlab.train.preempt import Preempted
@@ -51,6 +52,7 @@ class Member:
     report: RunReport | None = None
     resumed: Checkpoint | None = None
     checkpointer: Checkpointer | None = None
+    clock: RunClock | None = None  # its wall time across segments (a pack resumed)
     gone: RunDirGone | None = None  # its run dir went mid-run: it stopped there, and writes nothing more
 
     @property

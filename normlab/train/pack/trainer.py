@@ -30,7 +30,7 @@ from normlab.train.pack.checkpoint import OptimizerLayout
 from normlab.train.pack.loop import Member, PackLoop
 from normlab.telemetry.packed import PackedProbe
 from normlab.train.preempt import Preempted
-from normlab.train.phases import Phases, run_ended, startup_seconds
+from normlab.train.phases import Phases, RunClock, run_ended, startup_seconds
 from normlab.train.run import record_end, summary_head, with_model_vocab
 from normlab.train.runtime import (
     configure_determinism, configure_host_allocator, configure_matmul, resolve_device, resolve_precision, seed_everything,
@@ -76,7 +76,7 @@ def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
     if startup is not None:
         phases.add("startup", startup)
     with phases.time("setup"):
-        _resume_points(members)
+        _resume_points(members, started)
     summaries = [summary_head(m.cfg) for m in members]
     exit_code = 1
     try:
@@ -113,7 +113,7 @@ def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
             summary["phases_shared_by"] = len(members)  # the pack's phases: a sweep's totals count them once
             # A gone member's summary is not written (record_end): its sinks finish as a failed run's.
             troubles.append(record_end(member.run_dir, summary, member.sinks, 1 if member.gone else exit_code, phases,
-                                       started))
+                                       member.clock))
         run_ended()
     trouble = next((t for t in troubles if t is not None), None)
     if trouble is not None:
@@ -121,11 +121,12 @@ def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
     return [summary if member.gone is None else member.gone for member, summary in zip(members, summaries)]
 
 
-def _resume_points(members: list[Member]) -> None:
+def _resume_points(members: list[Member], started: float) -> None:
     """Each member's checkpoint to resume from (resolve_resume, which refuses in one line before anything
-    changes); a pack resumes only when every member has one, all of one step."""
+    changes), and its clock from `started` on; a pack resumes only when every member has one, all of one step."""
     for member in members:
         member.resumed = resolve_resume(member.cfg, member.run_dir.path)
+        member.clock = RunClock.resuming(started, member.resumed)
     steps = {None if m.resumed is None else m.resumed.step for m in members}
     if len(steps) > 1:
         found = ", ".join(f"{m.cfg.run_name}: {'none' if m.resumed is None else m.resumed.step}" for m in members)
@@ -145,7 +146,8 @@ def _open_run(member: Member, corpus: Corpus) -> None:
     start_step = resumed.step if resumed else None
     history = rewind(run_dir.path, start_step or 0)
     wandb_run_id = (resumed.wandb_run_id if resumed else None) or secrets.token_hex(4)
-    member.checkpointer = Checkpointer(run_dir.path, cfg, wandb_run_id=wandb_run_id, corpus_sha256=corpus.sha256)
+    member.checkpointer = Checkpointer(run_dir.path, cfg, wandb_run_id=wandb_run_id, corpus_sha256=corpus.sha256,
+                                       clock=member.clock)
     open_sinks(SinkContext(cfg, run_dir, cfg.run_name, wandb_run_id, start_step, history), into=member.sinks)
     member.products = TelemetryProducts(member.sinks)
     member.report = RunReport(cfg.run_name, "", str(run_dir.path))

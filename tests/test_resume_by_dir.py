@@ -187,6 +187,26 @@ hydra:
 """
 
 
+def test_a_resume_refused_because_the_corpus_changed_changes_nothing(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x * 2\n" * 400)
+    run_dir = tmp_path / "run"
+    short = [a for a in RUN if not a.startswith(("max_steps", "eval_every", "ckpt.every"))]
+    first = normlab_here("train", *short, "data=text", f"data.files=[{corpus}]", "max_steps=4", "eval_every=2",
+                         "ckpt.every=2", "ckpt.keep=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # As a preemption after the checkpoint of step 2 leaves it; then the corpus changes.
+    (run_dir / "checkpoints" / "step-000004.pt").unlink()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "status": "preempted", "preempted_step": 2}))
+    corpus.write_text("class A:\n    pass\n" * 600)
+    before = snapshot(run_dir)
+    again = normlab_here("resume", str(run_dir), cwd=tmp_path)
+    assert again.returncode == 2
+    one_error_line(again.stderr, "step-000002.pt", "the data changed")
+    assert snapshot(run_dir) == before  # .hydra/hydra.yaml and overrides.yaml included
+
+
 def test_a_sweep_jobs_dir_resumes_with_its_config_dir_and_preset(tmp_path, monkeypatch, capsys):
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
     (tmp_path / "conf" / "experiment" / "tiny_grid.yaml").write_text(PRESET)

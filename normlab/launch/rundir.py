@@ -3,9 +3,9 @@
 Hydra writes <run dir>/.hydra/ (config.yaml, which `normlab compare` reads) before normlab's task
 runs, so a refusal that only train() found would come after those writes. `claim()` composes a
 single run's config as Hydra will and, when its run dir already exists, takes the run dir's lock
-(held until Hydra returns) and checks the resume (checkpoint.resolve_resume, then a dry restore):
-another process's run, a checkpoint that does not fit and another config's records are all refused
-while the run dir is as it was. train() checks the same again, for callers without Hydra.
+(held until Hydra returns) and checks the resume (checkpoint.resolve_resume, then a dry restore, then the
+corpus against the checkpoint's): another process's run, a checkpoint that does not fit, data that changed
+or cannot be read, and another config's records are all refused while the run dir is as it was. train() checks the same again, for callers without Hydra.
 """
 
 from __future__ import annotations
@@ -97,8 +97,9 @@ def claim(overrides: list[str], config_dirs: list[str], config_module: str, conf
 def _claimed(overrides: list[str], config_dirs: list[str], config_module: str, config_name: str | None):
     """claim(), yielding whether the run dir is a new one."""
     # torch: not for `normlab train --help`, which imports this module
+    from normlab.data import DataError
     from normlab.train.checkpoint import CheckpointError, ended_run, resolve_resume
-    from normlab.train.run import check_resumable
+    from normlab.train.run import check_resumable, check_same_corpus
 
     if not config_dirs and not any(o.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for o in overrides):
         yield True  # the packaged config names each run's dir by its launch time and id: a new dir
@@ -117,7 +118,8 @@ def _claimed(overrides: list[str], config_dirs: list[str], config_module: str, c
             checkpoint = resolve_resume(cfg, path)
             if checkpoint is not None:
                 check_resumable(cfg, checkpoint)
-        except (RunDirBusy, CheckpointError) as err:
+                check_same_corpus(cfg, checkpoint)
+        except (RunDirBusy, CheckpointError, DataError) as err:
             raise ConfigError(str(with_continue_command(err))) from None
         yield False
 

@@ -194,6 +194,14 @@ def check_resumable(cfg: RunConfig, checkpoint: Checkpoint, extra: Sequence[Call
     checkpoint.restore(state, standard_callbacks(replace(cfg, progress=False), state, [], checkpointer, cpu, extra))
 
 
+def check_same_corpus(cfg: RunConfig, checkpoint: Checkpoint) -> None:
+    """Raise CheckpointError unless the corpus `cfg` reads now is the one `checkpoint` was trained on (its sha256), or
+    DataError if it cannot be read: before a run dir changes, what train() checks once it has loaded its data. The
+    corpus is read from the token cache where it is there, as train() then reads it."""
+    if checkpoint.payload.get("corpus_sha256") is not None:
+        checkpoint.check_corpus(load_corpus(cfg.data, cfg.tokenizer).sha256)
+
+
 def with_model_vocab(cfg: RunConfig, corpus: Corpus) -> RunConfig:
     """`cfg` with the model's vocabulary resolved: the tokenizer's when model.vocab_size is null. A copy, so
     the config that checkpoints and config.json keep is the one given."""

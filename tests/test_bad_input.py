@@ -125,13 +125,23 @@ def trained(cwd) -> list:
         (["hydra.run.dir=/proc/normlab-run"], ["cannot create the run dir there"]),
         (["hydra.run.dir=" + "r" * 300], ["hydra.run.dir=", "too long"]),
         (["-m", "hydra.sweep.dir=a_file", "lr=1e-3,3e-3"], ["hydra.sweep.dir=a_file", "not a directory"]),
+        # normlab's launcher's settings (Hydra: a traceback, or accepted silently)
+        (["-m", "hydra.launcher.jobs_per_gpu=0", "lr=1e-3,3e-3"], ["hydra.launcher.jobs_per_gpu=0: must be an integer >= 1"]),
+        (["-m", "hydra.launcher.cpu_jobs=0", "lr=1e-3,3e-3"], ["hydra.launcher.cpu_jobs=0: must be an integer >= 1"]),
+        (["-m", "hydra.launcher.cpu_jobs=abc", "lr=1e-3,3e-3"], ["hydra.launcher.cpu_jobs=abc: must be an integer >= 1"]),
+        (["-m", "hydra.launcher.cpu_jobs=1.5", "lr=1e-3,3e-3"], ["hydra.launcher.cpu_jobs=1.5: must be an integer >= 1"]),
+        (["-m", "hydra.launcher.mps=maybe", "lr=1e-3,3e-3"], ["hydra.launcher.mps=maybe: must be auto, true or false"]),
+        (["-m", "hydra.launcher.devices=[-1]", "lr=1e-3,3e-3"], ["hydra.launcher.devices=[-1]: must be null (every visible GPU) or a list of GPU ids"]),
+        pytest.param(["-m", "hydra.launcher.devices=[0,1]", "lr=1e-3,3e-3"],
+                     ["hydra.launcher.devices=[0,1]: this machine has no GPU", "drop it"],
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
     ],
 )
 def test_bad_input_gives_one_line_and_trains_nothing(tmp_path, overrides, fragments):
     (tmp_path / "a_file").write_text("not a dir")
     result = normlab_here("train", *overrides, *TINY, cwd=tmp_path)
     assert_one_line(result, *fragments)
-    assert not trained(tmp_path)
+    assert not trained(tmp_path) and [p.name for p in tmp_path.iterdir()] == ["a_file"]
 
 
 def test_a_refusal_echoes_a_long_value_cut_and_a_quoted_value_as_advised_is_read(tmp_path):

@@ -38,6 +38,24 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     assert visible_gpus() == []
 
 
+def test_the_devices_a_sweep_names_must_be_this_machines(monkeypatch):
+    from normlab.config import ConfigError
+    from normlab.launch import machine
+
+    settings = {"jobs_per_gpu": 4, "cpu_jobs": 1, "mps": "auto"}
+    monkeypatch.setattr(machine, "_gpu_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    machine.check_launcher({**settings, "devices": [0, 1]})
+    machine.check_launcher({**settings, "devices": None})
+    with pytest.raises(ConfigError, match=r"devices=\[1,2\]: this machine has 2 GPUs \(ids 0 to 1\), no GPU 2"):
+        machine.check_launcher({**settings, "devices": [1, 2]})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # ids it hides may be meant: CUDA says when a worker starts
+    machine.check_launcher({**settings, "devices": [4]})
+    monkeypatch.setattr(machine, "_gpu_count", lambda: 0)
+    with pytest.raises(ConfigError, match="this machine has no GPU torch can use"):
+        machine.check_launcher({**settings, "devices": [0]})
+
+
 def test_no_gpu_is_known_without_torch_only_where_none_can_be(monkeypatch, tmp_path):
     """A Linux machine without a GPU's device files or an NVIDIA GPU on its PCI bus, or macOS, has no CUDA device for
     torch; anywhere else, or once torch is imported, torch is asked."""

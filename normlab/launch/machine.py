@@ -195,3 +195,49 @@ def visible_gpus(devices: Optional[Sequence[Any]] = None) -> list[str]:
     import torch  # seconds to import: only to count the GPUs (Hydra's plugin scan imports the launcher)
 
     return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def check_launcher(settings) -> None:
+    """ConfigError (one line naming the key and what it takes) unless normlab's launcher can run a sweep with
+    `settings` (the composed hydra.launcher node) on this machine: jobs_per_gpu and cpu_jobs integers >= 1, mps auto,
+    true or false, devices null or a list of GPU ids, and GPUs to put them on."""
+    settings = OmegaConf.to_container(settings, resolve=True) if OmegaConf.is_config(settings) else dict(settings)
+    for key in ("jobs_per_gpu", "cpu_jobs"):
+        value = settings.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"hydra.launcher.{key}={_shown(value)}: must be an integer >= 1 (jobs at once on "
+                              f"{'each GPU' if key == 'jobs_per_gpu' else 'the CPU, without a GPU'})")
+    mps = settings.get("mps")
+    if not (isinstance(mps, bool) or str(mps).lower() in ("auto", "true", "false")) or mps is None:
+        raise ConfigError(f"hydra.launcher.mps={_shown(mps)}: must be auto, true or false")
+    devices = settings.get("devices")
+    if devices is None:
+        return
+    shown = f"hydra.launcher.devices={_shown(devices)}"
+    if not isinstance(devices, list) or not all(
+            (isinstance(d, int) and not isinstance(d, bool) and d >= 0) or (isinstance(d, str) and d.strip()) for d in devices):
+        raise ConfigError(f"{shown}: must be null (every visible GPU) or a list of GPU ids, such as [0,1]")
+    count = _gpu_count() if devices else 0
+    if devices and not count:
+        raise ConfigError(f"{shown}: this machine has no GPU torch can use: drop it (without a GPU the jobs run "
+                          "on the CPU; hydra.launcher.cpu_jobs=N runs N at once)")
+    beyond = [d for d in devices if isinstance(d, int) and d >= count]
+    if beyond and os.environ.get("CUDA_VISIBLE_DEVICES") is None:  # else the ids may name GPUs it hides
+        raise ConfigError(f"{shown}: this machine has {count} GPU{'s' if count > 1 else ''} (ids 0 to {count - 1}), "
+                          f"no GPU {beyond[0]}: choose among them, or drop it for all of them")
+
+
+def _gpu_count() -> int:
+    """The CUDA devices torch sees here (0 where none can be, known without torch)."""
+    if gpu_impossible():
+        return 0
+    import torch  # seconds to import: only for a sweep that names its GPUs
+
+    return torch.cuda.device_count()
+
+
+def _shown(value: Any) -> str:
+    """`value` as an override writes it: [0,1], null, abc."""
+    if isinstance(value, list):
+        return "[" + ",".join(_shown(v) for v in value) + "]"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

@@ -26,7 +26,7 @@ from hydra.types import RunMode
 from normlab.config import NORM_TRAITS, NORMS, PLACEMENTS, ConfigError, RunConfig, check_norm_knob
 from normlab.config.parse import override_text
 from normlab.config.packing import check_packable, pack_groups
-from normlab.launch.machine import check_machine, cpu_for_sure
+from normlab.launch.machine import check_launcher, check_machine, cpu_for_sure
 from normlab.launch.overrides import check_command_line, check_composition, quoted_value
 from normlab.launch.resolvers import task_dict
 from normlab.launch.resume import with_continue_command
@@ -295,6 +295,8 @@ def _listed_jobs(hydra: Hydra, overrides: list[str], config_dirs: list[str]) -> 
     for plugin in ("launcher", "sweeper"):
         plugins[plugin] = sweep_cfg.hydra.runtime.choices.get(f"hydra/{plugin}")
         plugins[plugin + "_target"] = sweep_cfg.hydra[plugin].get("_target_")
+    if plugins["launcher_target"] == NORMLAB_LAUNCHER:
+        check_launcher(sweep_cfg.hydra.launcher)
     params = [f"{k}={v}" for k, v in (sweep_cfg.hydra.sweeper.get("params") or {}).items()]
     if sweep_cfg.hydra.sweeper.get("_target_") == BASIC_SWEEPER:
         return sweep_jobs(params + list(overrides), hydra.config_loader), plugins, True

@@ -86,6 +86,15 @@ def test_a_subset_another_order_and_one_more_value_train_only_the_new_run(sweep_
     assert len(runs) == 4 and all(sum(name in line for line in runs) == 1 for name in job_dirs(sweep_copy))
 
 
+def test_jobs_run_again_in_worker_processes_land_where_their_runs_are(sweep_copy, tmp_path):
+    before = {name: snapshot(sweep_copy / name) for name in job_dirs(sweep_copy)}
+    again = sweep(sweep_copy, "lr=3e-2,1e-2,1e-3", "hydra.launcher.cpu_jobs=2", cwd=tmp_path)  # two at once
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("already completed") == 2 and "job 3 layer-pre-d2-lr3e-2-s0: completed" in again.stdout
+    assert job_dirs(sweep_copy) == [*before, "3_layer-pre-d2-lr3e-2-s0"]
+    assert {name: snapshot(sweep_copy / name) for name in before} == before
+
+
 def test_the_sweeps_record_keeps_every_command_and_resume_continues_them_all(sweep_copy, tmp_path):
     again = sweep(sweep_copy, "lr=1e-2", "overwrite=true", cwd=tmp_path)  # job 2 afresh, in its own dir
     assert again.returncode == 0, again.stderr[-3000:]

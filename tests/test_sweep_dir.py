@@ -52,6 +52,37 @@ def trained(result):
             if "[normlab][INFO]" in line and " completed: final val loss" in line]
 
 
+def _recorded(tmp_path, num, lr, **kw):
+    from normlab.config import run_identity
+    from normlab.launch.sweep_index import RecordedRun
+
+    flat = None if lr is None else {"lr": lr}
+    return RecordedRun(tmp_path / f"{num}_r{lr}", num, flat, kw.get("given"), kw.get("ended", True),
+                       None if flat is None else run_identity(flat))
+
+
+def _asked(tmp_path, num, lr, overrides=()):
+    from normlab.config import run_identity
+    from normlab.launch.sweep_index import AskedJob
+
+    return AskedJob(run_identity({"lr": lr}), list(overrides), num, tmp_path / f"{num}_r{lr}",
+                    lambda n: tmp_path / f"{n}_r{lr}")
+
+
+def test_a_job_lands_at_its_run_else_a_hole_of_its_place_else_after_the_sweeps_highest_number(tmp_path):
+    from normlab.launch.sweep_index import Place, override_identity, place_jobs
+
+    runs = [_recorded(tmp_path, n, float(n)) for n in (0, 2, 3)]
+    runs.append(_recorded(tmp_path, 1, None, given=override_identity(["lr=0.5", "progress=false"]), ended=False))
+    jobs = [_asked(tmp_path, 0, 3.0), _asked(tmp_path, 1, 0.5, ["lr=5e-1"]), _asked(tmp_path, 2, 8.0),
+            _asked(tmp_path, 3, 0.0), _asked(tmp_path, 4, 9.0), _asked(tmp_path, 5, 7.0)]
+    del runs[3]  # first without the dir that stopped before its config.json: job 1's place is a hole, job 5's not
+    assert place_jobs(tmp_path, jobs, runs) == [Place(3, "3_r3.0"), Place(1, "1_r0.5"), Place(4, "4_r8.0"),
+                                                Place(0, "0_r0.0"), Place(5, "5_r9.0"), Place(6, "6_r7.0")]
+    runs.append(_recorded(tmp_path, 1, None, given=override_identity(["lr=0.5", "progress=false"]), ended=False))
+    assert place_jobs(tmp_path, jobs, runs)[1] == Place(1, "1_rNone")  # known by its saved overrides, bookkeeping aside
+
+
 @pytest.fixture(scope="module")
 def three_lrs(tmp_path_factory):
     """A sweep of three lrs, each run to its end, made once; tests take copies."""

@@ -105,7 +105,7 @@ def asked_jobs(composed: Sequence[DictConfig], run_cfgs: Sequence[RunConfig], nu
     """The jobs of a command as sweep_index.place_jobs takes them: `composed`, their configs (hydra node included);
     `run_cfgs`, their configs as their tasks build them (job_config); `nums`, their places (by default 0, 1, ...)."""
     nums = range(len(composed)) if nums is None else nums
-    return [AskedJob(run_identity(flatten_config(run_cfg)), [str(o) for o in cfg.hydra.overrides.task],
+    return [AskedJob(run_identity(flatten_config(run_cfg)), [str(o) for o in cfg.hydra.overrides.task], num,
                      job_dir(cfg, num), functools.partial(job_dir, cfg))
             for num, cfg, run_cfg in zip(nums, composed, run_cfgs)]
 

@@ -110,11 +110,13 @@ class Place:
 
 @dataclass(frozen=True)
 class AskedJob:
-    """A job of the command: what it trains (run_identity), its overrides, the dir its place in the command line
-    gives it (the sweep's subdir with hydra.job.num set to that place), and that dir for any other number."""
+    """A job of the command: what it trains (run_identity), its overrides, its place in the command line (its
+    hydra.job.num), the dir that place gives it (the sweep's subdir with hydra.job.num set to it), and that dir for
+    any other number."""
 
     identity: tuple
     overrides: Sequence[str]
+    num: int
     positional: Path
     dir_for: Callable[[int], Path]
 
@@ -135,13 +137,13 @@ def place_jobs(sweep_dir: str | Path, jobs: Sequence[AskedJob], runs: Sequence[R
         found = _found(job, by_identity, taken)
         if found is not None:
             taken.add(found.path)
-            places[i] = Place(found.num if found.num is not None else i, found.path.name)
+            places[i] = Place(found.num if found.num is not None else job.num, found.path.name)
     numbers = {r.num for r in runs if r.num is not None}
     highest = max(numbers, default=-1)
     for i, job in enumerate(jobs):
-        if places[i] is None and i < highest and i not in numbers:
-            numbers.add(i)
-            places[i] = Place(i, _relative(job.dir_for(i), sweep_dir))
+        if places[i] is None and job.num < highest and job.num not in numbers:
+            numbers.add(job.num)
+            places[i] = Place(job.num, _relative(job.dir_for(job.num), sweep_dir))
     following = highest + 1
     for i, job in enumerate(jobs):
         if places[i] is None:

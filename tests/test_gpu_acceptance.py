@@ -18,7 +18,10 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS / "gpu"))
 
 import acceptance as gpu_acceptance  # noqa: E402
-import acceptance_stages  # noqa: E402  (it puts scripts/bench/ on sys.path)
+import acceptance_stages  # noqa: E402
+import gpu_stage  # noqa: E402  (it puts scripts/bench/ on sys.path)
+import suite_stages  # noqa: E402
+import sweep_stages  # noqa: E402
 import sweep_throughput  # noqa: E402
 
 KEYS = {"name", "value", "unit", "target", "met", "reference", "command", "detail"}
@@ -81,7 +84,7 @@ def test_a_failing_stage_records_null_with_its_error_and_a_rerun_keeps_the_other
         raise RuntimeError("the sweep broke")
 
     stage = next(s for s in acceptance_stages.STAGES if s.name == "sweep8")
-    monkeypatch.setitem(gpu_acceptance.BY_NAME, "sweep8", acceptance_stages.Stage(**{**stage.__dict__, "run": broken}))
+    monkeypatch.setitem(gpu_acceptance.BY_NAME, "sweep8", gpu_stage.Stage(**{**stage.__dict__, "run": broken}))
     assert gpu_acceptance.child("sweep8", tmp_path / "result.json", smoke=True) == 1
     results = gpu_acceptance.read_results(tmp_path / "result.json")
     assert results["error"] == "RuntimeError: the sweep broke"
@@ -124,8 +127,8 @@ def test_a_pack_whose_members_failed_reports_no_wall_time_and_compares_nothing(t
     failed = {"status": "failed", "error": LSE}
     fake_sweeps(monkeypatch, {"pack21": {f"m{i:02}": failed for i in range(21)}, "packed": {"a": failed, "b": failed},
                               "unpacked": {"a": DONE, "b": DONE}})
-    ctx = acceptance_stages.Context(True, tmp_path / "result.json", tmp_path)
-    acceptance_stages.pack21(ctx)
+    ctx = gpu_stage.Context(True, tmp_path / "result.json", tmp_path)
+    sweep_stages.pack21(ctx)
     got = ctx.results["pack21_wall_s"]
     assert got["value"] is None and got["ok"] is False
     assert got["detail"] == (f"21 of 21 members failed: {LSE}; the command took 38.65 s, not a valid figure; members a, b "
@@ -143,8 +146,8 @@ def test_a_sweep_with_a_failed_job_reports_no_wall_time_and_a_diverged_arm_is_an
                                                                                         value, detail):
     jobs = {"layer": DONE, "rms": DONE, **{f"arm{i}": DONE for i in range(5)}, "batch-post": other}
     fake_sweeps(monkeypatch, {"sweep8": jobs, "sequential": {"layer": DONE, "rms": DONE}})
-    ctx = acceptance_stages.Context(True, tmp_path / "result.json", tmp_path)
-    acceptance_stages.sweep8(ctx)
+    ctx = gpu_stage.Context(True, tmp_path / "result.json", tmp_path)
+    sweep_stages.sweep8(ctx)
     got = ctx.results["sweep8_wall_s"]
     assert (got["value"], got["detail"], got["ok"]) == (value, detail, value is not None)
 
@@ -177,8 +180,8 @@ def test_the_ablation_stage_times_the_sweep_and_compares_two_runs_made_alone(tmp
     fake_sweeps(monkeypatch, {"ablation": {**runs, "layer-pre-d2-lr3e-3-s1": done, "rms-pre-d2-lr3e-3-s1": done},
                               "alone": {"layer-pre-d2-lr3e-3-s1": {**DONE, "final_val_loss": 2.5000125},
                                         "rms-pre-d2-lr3e-3-s1": DONE}})
-    ctx = acceptance_stages.Context(True, tmp_path / "result.json", tmp_path)
-    acceptance_stages.ablation72(ctx)
+    ctx = gpu_stage.Context(True, tmp_path / "result.json", tmp_path)
+    sweep_stages.ablation72(ctx)
     got = ctx.results["ablation72_wall_s"]
     assert got["value"] == 38.65 and got["ok"] is True
     assert got["detail"].startswith("8 runs (completed); 0.0M tokens, 207 tokens/s over the whole command; time by phase, "
@@ -192,14 +195,14 @@ def test_the_ablation_stage_reports_no_figure_when_a_run_failed_or_differs(tmp_p
     alone = {"layer-pre-d2-lr3e-3-s1": DONE, "rms-pre-d2-lr3e-3-s1": DONE}
     failed = {**{f"run{i}": DONE for i in range(7)}, "x": {"status": "failed", "error": "RuntimeError: boom"}}
     fake_sweeps(monkeypatch, {"ablation": failed, "alone": alone})
-    ctx = acceptance_stages.Context(True, tmp_path / "a" / "result.json", tmp_path / "a")
-    acceptance_stages.ablation72(ctx)
+    ctx = gpu_stage.Context(True, tmp_path / "a" / "result.json", tmp_path / "a")
+    sweep_stages.ablation72(ctx)
     got = ctx.results["ablation72_wall_s"]
     assert got["value"] is None and got["ok"] is False and "1 of 8 runs failed: RuntimeError: boom" in got["detail"]
     far = {**{f"run{i}": DONE for i in range(6)}, **alone, "rms-pre-d2-lr3e-3-s1": {**DONE, "final_val_loss": 2.6}}
     fake_sweeps(monkeypatch, {"ablation": far, "alone": alone})
-    ctx = acceptance_stages.Context(True, tmp_path / "b" / "result.json", tmp_path / "b")
-    acceptance_stages.ablation72(ctx)
+    ctx = gpu_stage.Context(True, tmp_path / "b" / "result.json", tmp_path / "b")
+    sweep_stages.ablation72(ctx)
     got = ctx.results["ablation72_wall_s"]
     assert got["value"] == 38.65 and got["ok"] is False and "difference of final val loss 4.00e-02" in got["detail"]
 
@@ -249,12 +252,10 @@ def test_a_signal_that_comes_while_a_stage_starts_cuts_it_off(tmp_path):
 
 
 def test_the_suite_stage_reads_pytests_summary_and_a_cut_off_runs_progress():
-    import acceptance_stages
-
     summary = ["....", "=== 2 failed, 1048 passed, 13 skipped, 1 error in 280.1s ==="]
-    assert acceptance_stages.pytest_counts(summary) == {"failed": 2, "passed": 1048, "skipped": 13, "error": 1}
-    assert acceptance_stages.pytest_counts(["no summary"]) == {}
+    assert suite_stages.pytest_counts(summary) == {"failed": 2, "passed": 1048, "skipped": 13, "error": 1}
+    assert suite_stages.pytest_counts(["no summary"]) == {}
     cut = ["bringing up nodes...", "..s.F....E.   [ 10%]", "....x....s    [ 20%]", "..F"]
-    counts, percent = acceptance_stages.pytest_progress(cut)
+    counts, percent = suite_stages.pytest_progress(cut)
     assert counts == {"passed": 18, "failed": 2, "error": 1, "skipped": 2} and percent == 20
-    assert acceptance_stages.add(counts, {"passed": 4, "failed": 1}) == {"passed": 22, "failed": 3, "error": 1, "skipped": 2}
+    assert suite_stages.add(counts, {"passed": 4, "failed": 1}) == {"passed": 22, "failed": 3, "error": 1, "skipped": 2}

@@ -57,7 +57,7 @@ STAMP = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[normlab\]\[INFO\] - "
 FIRST_LINE = re.compile(STAMP + r".*: \S+, \w+, [\d,]+ parameters( each|.*, run dir )")
 LAST_LINE = re.compile(STAMP + r"\S+ \w+: final val loss ")
 STEP_LINE = re.compile(STAMP + r".*: step \d+/\d+ ")  # a logged step's line, a pack's once for all its members
-# The GPU acceptance's pack21 stage (scripts/gpu/acceptance_stages.py) on the CPU: the medium preset's 21 members, so their
+# The GPU acceptance's pack21 stage (scripts/gpu/sweep_stages.py) on the CPU: the medium preset's 21 members, so their
 # checkpoints are the GPU run's size (1.6 GB in all), at a batch and length that make its two steps quick.
 PACK21 = ["norm=layer", "placement=pre", "model=medium", "max_steps=2", "lr=3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1",
           "seed=0,1,2", "pack=true", "device=cpu", "batch_size=2", "seq_len=32", "eval_every=1", "eval_batches=1"]

@@ -120,7 +120,7 @@ def profile_telemetry_step(shape: str, compiled: bool, precision: str, device: t
 
 
 def acceptance_figure(ctx, capture: str) -> None:
-    """The GPU acceptance's telemetry stage (scripts/gpu/acceptance_stages.py, `ctx` its Context): one medium-preset
+    """The GPU acceptance's telemetry stage (scripts/gpu/speed_stages.py, `ctx` its Context): one medium-preset
     telemetry step profiled (the tiny shape with smoke), its report written beside the JSON, its added kernels
     reported as a figure."""
     figures, text = profile_telemetry_step("tiny" if ctx.smoke else "medium", capture == "compile", ctx.precision,

@@ -37,7 +37,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from acceptance_stages import CALLS, ROOT, STAGES, Context, Stage  # noqa: E402
+from acceptance_stages import CALLS, STAGES  # noqa: E402
+from gpu_stage import ROOT, Context, Stage  # noqa: E402
 
 BY_NAME = {stage.name: stage for stage in STAGES}
 OPS = {">=": lambda v, t: v >= t, "<=": lambda v, t: v <= t, "==": lambda v, t: v == t}

@@ -216,22 +216,32 @@ def test_bench_gpu_says_in_one_line_that_there_is_no_gpu(tmp_path, script_here):
 
 
 def test_bench_gpu_runs_its_reference_and_normlab_variants_on_the_cpu_when_asked(tmp_path, script_here):
-    """--cpu: the GPU benchmark's own code (reference loop, normlab runs, table) runs here, figures aside."""
-    variants = ["ref eager", "normlab eager", "normlab eager telemetry/2", "normlab eager deterministic"]
-    out = script_here("bench/step_speed_gpu.py", "--cpu", "--shapes", "tiny", "--rounds", "1", "--windows", "2", "--every", "2",
-                 "--precision", "fp32", "--peak-size", "128", "--deterministic", "--only", ",".join(variants), cwd=tmp_path)
+    """--cpu: the GPU benchmark's own code (reference loop, normlab runs, A/A control, table) runs here, figures
+    aside: each variant's median over its windows of both rounds, with their interquartile range, and the raw times."""
+    variants = ["ref eager", "normlab eager", "normlab eager again", "normlab eager telemetry/2", "normlab eager deterministic"]
+    out = script_here("bench/step_speed_gpu.py", "--cpu", "--shapes", "tiny", "--rounds", "2", "--windows", "2", "--every", "2",
+                      "--precision", "fp32", "--peak-size", "128", "--deterministic", "--aa", "--only", ",".join(variants),
+                      "--json", str(tmp_path / "raw.json"), cwd=tmp_path)
     rows = {}
     for line in out.splitlines():
         name = next((v for v in sorted(variants, key=len, reverse=True) if line.startswith(v + " ")), None)
         if name:
             rows[name] = line[len(name):].split()
     assert list(rows) == variants
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert raw["clock"] == "perf_counter" and list(raw["seconds_per_step"]["tiny"]) == variants
+    for name, cells in rows.items():
+        times = sorted(raw["seconds_per_step"]["tiny"][name])
+        assert len(times) == 4 and cells[2] == "4"  # 2 rounds x 2 windows, all kept
+        q1, q3 = map(float, cells[1].split("-"))
+        assert float(cells[0]) == pytest.approx(1e3 * (times[1] + times[2]) / 2, abs=0.006)  # the median of four
+        assert 1e3 * times[0] - 0.006 <= q1 <= float(cells[0]) <= q3 <= 1e3 * times[3] + 0.006
     ms = {name: float(cells[0]) for name, cells in rows.items()}
-    assert all(v > 0 for v in ms.values())
     assert float(rows["normlab eager"][-1]) == pytest.approx(ms["ref eager"] / ms["normlab eager"], abs=0.002)
-    overhead = re.search(rf"telemetry overhead, normlab eager telemetry/2: ([+-]{NUMBER})%", out).group(1)
-    assert float(overhead) == pytest.approx(100 * (ms["normlab eager telemetry/2"] / ms["normlab eager"] - 1), abs=0.2)
-    assert "deterministic=true costs, normlab eager deterministic:" in out
+    line = re.search(rf"telemetry overhead, normlab eager telemetry/2: ([+-]{NUMBER})% \(A/A: ([+-]{NUMBER})%\)", out)
+    assert float(line.group(1)) == pytest.approx(100 * (ms["normlab eager telemetry/2"] / ms["normlab eager"] - 1), abs=0.2)
+    assert float(line.group(3)) == pytest.approx(100 * (ms["normlab eager again"] / ms["normlab eager"] - 1), abs=0.2)
+    assert re.search(r"deterministic=true costs, normlab eager deterministic: [+-][\d.]+% per step \(A/A: ", out)
 
 
 def test_sweep_bench_times_a_sweep_per_setting_and_compares_its_losses(tmp_path, commands, script_here):

@@ -1,18 +1,19 @@
-"""GPU acceptance in one command: every figure the docs lack from a GPU, measured stage by stage, kept as it goes.
+"""GPU acceptance: the GPU figures the docs quote, measured stage by stage under wall-clock budgets, kept as it goes.
 
-    python scripts/gpu/acceptance.py [--smoke] [--out DIR] [--call 1|2] [--stage NAME ...] [--budget NAME=SECONDS ...]
+    python scripts/gpu/acceptance.py [--smoke] [--out DIR] [--stage NAME ...] [--budget NAME=SECONDS ...]
 
-On a lent device (carrying .whl; see docs/speed.md#gpu-acceptance), in two calls, since the stages together
-need more than one call's 600 s (and more than one session's 15 minutes of device time):
-    source .whl/setup.sh && PYTHONUNBUFFERED=1 python3 scripts/gpu/acceptance.py --out $OUT --call 1   (then 2)
+On a GPU machine without network access (carrying .whl; see docs/speed.md#gpu-acceptance):
+    source .whl/setup.sh && python3 scripts/gpu/acceptance.py --out $OUT --stage NAME ...
 
 The stages (scripts/gpu/acceptance_stages.py; default: all, in its order) run one after another, each in a process
 of its own with a wall-clock budget. After each stage DIR/gpu-acceptance.json (device, torch, cuda, commit,
-started, and the figures: name, value, unit, target, met, reference, command, detail) and the table
-DIR/gpu-acceptance.md are rewritten whole (atomically). A stage that fails or runs past its budget records
+started, and the figures: name, value, unit, target, control, verdict, reference, command, detail, timing) and the
+table DIR/gpu-acceptance.md are rewritten whole (atomically). A timed figure's `timing` keeps each variant's median,
+quartiles and raw per-window seconds; an overhead figure's `control` is its A/A difference, and its verdict is
+"inconclusive" where that exceeds the target. A stage that fails or runs past its budget records
 value null and why, and the next one runs; the figures a stage reported before it was cut off are kept. A stage
 that ends early leaves its unused time to the next: the run never takes longer than the budgets' sum.
-SIGTERM or SIGINT (a device call's time limit) stops the stage in flight, records it "cut off", writes the
+SIGTERM or SIGINT (a time limit's signal, Ctrl-C) stops the stage in flight, records it "cut off", writes the
 files and exits 128 + the signal. On a CUDA device the JSON is also copied to gpu-<device>.json beside it
 and under docs/benchmarks/. `--smoke`: every stage at a tiny size on the CPU, same figure names (default DIR:
 outputs/gpu-acceptance-smoke/, so CPU figures never land in docs/benchmarks/).
@@ -37,11 +38,13 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from acceptance_stages import CALLS, STAGES  # noqa: E402
+from acceptance_stages import STAGES  # noqa: E402
 from gpu_stage import ROOT, Context, Stage  # noqa: E402
 
 BY_NAME = {stage.name: stage for stage in STAGES}
 OPS = {">=": lambda v, t: v >= t, "<=": lambda v, t: v <= t, "==": lambda v, t: v == t}
+# A figure's keys in the JSON, in order; `control` and `timing` are null for a figure that is not timed in windows.
+KEYS = ("name", "value", "unit", "target", "control", "verdict", "reference", "command", "detail", "timing")
 
 
 class CutOff(Exception):
@@ -49,7 +52,7 @@ class CutOff(Exception):
 
 
 class Signals:
-    """SIGTERM and SIGINT (a device call's time limit, Ctrl-C): noted; while a stage is in flight, also raised
+    """SIGTERM and SIGINT (a time limit's signal, Ctrl-C): noted; while a stage is in flight, also raised
     as CutOff, so the stage is stopped at once. Elsewhere the driver stops after writing the files."""
 
     def __init__(self):
@@ -65,17 +68,22 @@ class Signals:
             raise CutOff(signal.Signals(signum).name)
 
 
-def met(value: Any, target: str | None, ok: bool) -> bool | None:
-    """Whether `value` meets `target` ("<op> <number or true>"), and `ok`; None without a value or a target."""
+def verdict(value: Any, target: str | None, ok: bool = True, control: float | None = None) -> str | None:
+    """`value` against `target` ("<op> <number or true>"): "met" or "missed" (missed too where not `ok`); but
+    "inconclusive" where the A/A `control` differs by more than the target's number (the comparison's noise floor
+    is above what it must show); None without a value or a target."""
     if value is None or target is None:
         return None
     op, want = target.split(" ", 1)
-    return bool(OPS[op](value, True if want == "true" else float(want))) and ok
+    bound = True if want == "true" else float(want)
+    if control is not None and abs(control) > abs(bound):
+        return "inconclusive"
+    return "met" if OPS[op](value, bound) and ok else "missed"
 
 
-def environment(smoke: bool) -> dict[str, Any]:
+def environment(smoke: bool, argv: list[str]) -> dict[str, Any]:
     """The header of the JSON: device, torch, cuda, commit (None outside a git checkout; whether tracked files
-    differ from it), started, and the machine's CPUs and load."""
+    differ from it), started, the command (with `argv`), and the machine's CPUs and load."""
     import torch
 
     if smoke or not torch.cuda.is_available():
@@ -90,6 +98,7 @@ def environment(smoke: bool) -> dict[str, Any]:
     return {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit,
             "uncommitted_changes": bool(dirty.stdout.strip()) if commit else None,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "smoke": smoke,
+            "command": " ".join(["python scripts/gpu/acceptance.py", *argv]),
             "cpus": os.cpu_count(), "load_average": [round(v, 2) for v in os.getloadavg()]}
 
 
@@ -113,12 +122,11 @@ class Report:
             if stage in stages:
                 self.stages[stage.name] = {"name": stage.name, "budget_s": budgets[stage.name], "wall_s": None,
                                            "status": "not reached"}
-                self.figures.update({f.name: {"name": f.name, "value": None, "unit": f.unit, "target": f.target,
-                                              "met": None, "reference": None, "command": None, "detail": "not reached"}
-                                     for f in stage.figures})
+                self.figures.update({f.name: {**dict.fromkeys(KEYS), "name": f.name, "unit": f.unit, "target": f.target,
+                                              "detail": "not reached"} for f in stage.figures})
             elif stage.name in old_stages and all(f.name in old_figures for f in stage.figures):
                 self.stages[stage.name] = {**old_stages[stage.name], "kept_from": previous["started"]}
-                self.figures.update({f.name: old_figures[f.name] for f in stage.figures})
+                self.figures.update({f.name: {**dict.fromkeys(KEYS), **old_figures[f.name]} for f in stage.figures})
 
     def record(self, stage: Stage, results: dict[str, dict], wall: float, status: str, why: str | None) -> None:
         """A stage's end: its reported figures, and `why` (None: it finished) for those it did not report."""
@@ -126,10 +134,11 @@ class Report:
             got = results.get(f.name)
             entry = self.figures[f.name]
             if got:
-                entry.update({k: got[k] for k in ("value", "reference", "command", "detail")})
-                entry["met"] = met(got["value"], f.target, got.get("ok", True))
+                entry.update({k: got.get(k) for k in ("value", "control", "reference", "command", "detail", "timing")})
+                entry["verdict"] = verdict(got["value"], f.target, got.get("ok", True), got.get("control"))
             else:
-                entry.update(value=None, met=None, detail=why or "the stage ended without reporting it")
+                entry.update(value=None, control=None, verdict=None, timing=None,
+                             detail=why or "the stage ended without reporting it")
         self.stages[stage.name].update(wall_s=round(wall, 1), status=status)
         self.write()
 
@@ -149,10 +158,12 @@ class Report:
         lines = [f"# GPU acceptance{' (smoke: tiny sizes on the CPU, not GPU figures)' if h['smoke'] else ''}", "",
                  f"{h['device']}; torch {h['torch']}, CUDA {h['cuda']}; commit {h['commit']}; started {h['started']}; "
                  f"load average at the start {h.get('load_average')}", "",
-                 "| figure | value | unit | target | met | reference | detail |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                 "| figure | value | unit | target | A/A | verdict | reference | detail |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for f in self.figures.values():
             cells = [f["name"], "null" if f["value"] is None else json.dumps(f["value"]), f["unit"], f["target"] or "",
-                     {True: "yes", False: "**no**", None: ""}[f["met"]], f["reference"] or "", f["detail"]]
+                     "" if f["control"] is None else json.dumps(f["control"]),
+                     {"missed": "**missed**", None: ""}.get(f["verdict"], f["verdict"]), f["reference"] or "", f["detail"]]
             lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
         lines += ["", "| stage | budget s | wall s | status |", "| --- | --- | --- | --- |"]
         lines += [f"| {s['name']} | {s['budget_s']:g} | {s['wall_s'] if s['wall_s'] is not None else ''} | {s['status']} |"
@@ -186,7 +197,8 @@ def run_stage(stage: Stage, budget: float, smoke: bool, log, scratch: Path, sign
     log.write(f"\n===== stage {stage.name} (budget {budget:g} s), {time.strftime('%H:%M:%S')} =====\n")
     log.flush()
     started = time.perf_counter()
-    # A process group, not a session: a device call's end still reaches it if this process is killed outright.
+    # A process group, not a session: what ends this command's session (a machine's clean-up after a time limit)
+    # still ends the stage if this process is killed outright.
     proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, process_group=0)
     try:
         signals.waiting = True
@@ -256,9 +268,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "with --smoke: outputs/gpu-acceptance-smoke/)")
     parser.add_argument("--stage", nargs="+", action="extend", default=None, metavar="NAME",
                         help=f"stages to run, in the script's order (default: all): {', '.join(BY_NAME)}")
-    parser.add_argument("--call", type=int, choices=range(1, len(CALLS) + 1), default=None,
-                        help="one of the device calls the stages are split into (each fits one 600 s call): "
-                             + "; ".join(f"{i}: {', '.join(names)}" for i, names in enumerate(CALLS, 1)))
     parser.add_argument("--budget", action="append", default=[], metavar="NAME=SECONDS",
                         help="another wall-clock budget for a stage (repeatable)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -297,12 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"gpu_acceptance: error: {problem}", file=sys.stderr)
         return 2
-    chosen = args.stage if args.call is None else [*(args.stage or ()), *CALLS[args.call - 1]]
+    chosen = args.stage
     stages = [s for s in STAGES if chosen is None or s.name in chosen]
     out = args.out or ROOT / ("outputs/gpu-acceptance-smoke" if args.smoke else "docs/benchmarks")
     out.mkdir(parents=True, exist_ok=True)
     signals = Signals()
-    header = environment(args.smoke)
+    header = environment(args.smoke, sys.argv[1:] if argv is None else argv)
     report = Report(out, header, stages, limits, previous_run(out / "gpu-acceptance.json", header) if chosen else None)
     report.write()
     started = time.perf_counter()

@@ -65,11 +65,14 @@ class Context:
         return "bf16" if not self.smoke or cpu_has_bf16() else "fp32"
 
     def report(self, name: str, value: Any, detail: str, reference: str | None = None, command: str | None = None,
-               ok: bool = True) -> None:
-        """One figure measured; `ok=False` marks it not met whatever its value (e.g. its losses differ)."""
+               ok: bool = True, control: float | None = None, timing: dict[str, Any] | None = None) -> None:
+        """One figure measured; `ok=False` marks it missed whatever its value (e.g. its losses differ). A timed figure
+        gives its `timing` (scripts/bench/windows.py: the clock, each variant's spread and raw per-window times), and
+        an overhead figure its A/A `control`, in its own unit."""
         from normlab.util.files import write_json_atomic
 
-        self.results[name] = {"value": value, "detail": detail, "reference": reference, "command": command, "ok": ok}
+        self.results[name] = {"value": value, "detail": detail, "reference": reference, "command": command, "ok": ok,
+                              "control": control, "timing": timing}
         write_json_atomic(self.result_path, self.results)
         print(f"gpu_acceptance: {name} = {value}  ({detail})", flush=True)
 
@@ -95,5 +98,4 @@ def normlab_env(ctx: Context) -> dict[str, str]:
     from startup import script_env
 
     return {**script_env(), "OMP_NUM_THREADS": "1"} if ctx.smoke else script_env()  # one thread: bit-exact CPU reductions
-
 

@@ -3,6 +3,7 @@ for a stage that fails, runs past its budget, or is cut off by SIGTERM, and for 
 smoke run takes minutes; these run its quickest stage (the suite's smoke subset), stop the others early, and
 stand a fake in for the sweeps' commands."""
 
+import datetime
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS / "gpu"))
 
 import acceptance as gpu_acceptance  # noqa: E402
+import ablation72_stage  # noqa: E402
 import acceptance_stages  # noqa: E402
 import gpu_stage  # noqa: E402  (it puts scripts/bench/ on sys.path)
 import speed_stages  # noqa: E402
@@ -108,18 +111,29 @@ def test_a_failing_stage_records_null_with_its_error_and_a_rerun_keeps_the_other
     assert gpu_acceptance.previous_run(tmp_path / "gpu-acceptance.json", {**header, "device": "other"}) is None
 
 
+def stamp(seconds: float) -> str:
+    """A normlab.log line's start at time.time() `seconds`."""
+    moment = datetime.datetime.fromtimestamp(seconds)
+    return f"[{moment:%Y-%m-%d %H:%M:%S},{moment.microsecond // 1000:03d}][normlab][INFO] - "
+
+
 LSE = "RuntimeError: LSE is not correctly aligned (strideH)"  # what every member of the H200's pack raised
 DONE = {"status": "completed", "final_val_loss": 2.5}
 
 
 def fake_sweeps(monkeypatch, sweeps: dict[str, dict[str, dict]]) -> None:
-    """run_sweep without running: a sweep dir's name picks its jobs' summaries (each with one metrics row), and
-    every command takes 38.65 s."""
-    def run_sweep(normlab, overrides, sweep_dir):
+    """run_sweep without running: a sweep dir's name picks its jobs' summaries (each with one metrics row and a
+    normlab.log whose first run starts 2 s after the command and whose last ends after 30 s), and every command takes
+    38.65 s."""
+    def run_sweep(normlab, overrides, sweep_dir, timeout=None, log=None):
+        started = time.time()
         for i, (name, summary) in enumerate(sweeps[sweep_dir.name].items()):
             (sweep_dir / str(i)).mkdir(parents=True)
             (sweep_dir / str(i) / "summary.json").write_text(json.dumps({"name": name, **summary}))
             (sweep_dir / str(i) / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 2.5}) + "\n")
+            (sweep_dir / str(i) / "normlab.log").write_text(
+                f"{stamp(started + 2 + i)}{name}: cuda, bf16, 6,500,000 parameters each\n"
+                f"{stamp(started + 30 - i)}{name} completed: final val loss 2.5000 (3.6 bits/byte)\n")
         return 38.65, {name: {"name": name, **summary} for name, summary in sweeps[sweep_dir.name].items()}
 
     monkeypatch.setattr(sweep_throughput, "run_sweep", run_sweep)
@@ -168,37 +182,77 @@ def test_a_stage_gets_the_time_the_stages_before_it_left_unused():
     assert gpu_acceptance.stage_budget(budgets, 2, 200.0) == 55  # never less than its own
 
 
-def test_the_ablation_stage_times_the_sweep_and_compares_two_runs_made_alone(tmp_path, monkeypatch):
+def test_the_ablation_stage_reports_its_wall_head_failures_projection_and_record_and_compares_two_runs_alone(
+        tmp_path, monkeypatch):
     done = {**DONE, "tokens": 1000, "phases": {"train": 2.0, "startup": 1.0}, "phases_shared_by": 4}
     runs = {f"run{i}": done for i in range(6)}
     fake_sweeps(monkeypatch, {"ablation": {**runs, "layer-pre-d2-lr3e-3-s1": done, "rms-pre-d2-lr3e-3-s1": done},
                               "alone": {"layer-pre-d2-lr3e-3-s1": {**DONE, "final_val_loss": 2.5000125},
                                         "rms-pre-d2-lr3e-3-s1": DONE}})
+    monkeypatch.setattr(ablation72_stage, "compare", lambda ctx, normlab, sweep_dir, timeout: (1.5, "8 runs in 2 arms."))
     ctx = gpu_stage.Context(True, tmp_path / "result.json", tmp_path)
-    sweep_stages.ablation72(ctx)
-    got = ctx.results["ablation72_wall_s"]
-    assert got["value"] == 38.65 and got["ok"] is True
-    assert got["detail"].startswith("8 runs (completed); 0.0M tokens, 207 tokens/s over the whole command; time by phase, "
-                                    "summed over the jobs: train 4.0 s (67%), startup 2.0 s (33%); ")
-    assert got["detail"].endswith("layer-pre-d2-lr3e-3-s1, rms-pre-d2-lr3e-3-s1 one at a time (pack=false, 4 steps): "
-                                  "largest relative difference of final val loss 5.00e-06 (tolerance 1e-05)")
-    assert "pack=true" in got["command"] and "hydra.launcher.jobs_per_gpu=4" in got["command"]
+    ablation72_stage.ablation72(ctx)
+    got = {name: (r["value"], r["ok"]) for name, r in ctx.results.items()}
+    assert list(got) == ["ablation72_wall_s", "ablation72_head_s", "ablation72_failed", "ablation72_compare_s",
+                         "ablation72_2000_projected_s", "ablation72_packed_vs_alone"]
+    assert got["ablation72_wall_s"] == (38.65, True) and got["ablation72_failed"] == (0, True)
+    assert got["ablation72_head_s"][0] == pytest.approx(2.0, abs=0.05) and got["ablation72_compare_s"][0] == 1.5
+    # head 2 s + (30 - 2) s of packs x 4 (4 steps -> 16) + tail 38.65 - 30 s
+    assert got["ablation72_2000_projected_s"][0] == pytest.approx(2 + 28 * 4 + 8.65, abs=0.1)
+    assert "projected, not measured" in ctx.results["ablation72_2000_projected_s"]["detail"]
+    assert got["ablation72_packed_vs_alone"] == (5e-06, True)
+    wall = ctx.results["ablation72_wall_s"]
+    assert wall["detail"].startswith("8 runs (completed); 0.0M tokens, 207 tokens/s over the whole command; time by phase, "
+                                     "summed over the jobs: train 4.0 s (67%), startup 2.0 s (33%)")
+    assert "pack=true" in wall["command"] and "hydra.launcher.jobs_per_gpu=4" in wall["command"]
+    record = (tmp_path / "ablation72-smoke.md").read_text()
+    assert "```text\n8 runs in 2 arms.\n```" in record and "| `ablation72_packed_vs_alone` | 5e-06 |" in record
 
 
-def test_the_ablation_stage_reports_no_figure_when_a_run_failed_or_differs(tmp_path, monkeypatch):
+def test_the_ablation_stage_counts_the_runs_that_failed_and_marks_runs_alone_that_differ(tmp_path, monkeypatch):
+    monkeypatch.setattr(ablation72_stage, "compare", lambda ctx, normlab, sweep_dir, timeout: (1.5, "answer"))
     alone = {"layer-pre-d2-lr3e-3-s1": DONE, "rms-pre-d2-lr3e-3-s1": DONE}
     failed = {**{f"run{i}": DONE for i in range(7)}, "x": {"status": "failed", "error": "RuntimeError: boom"}}
     fake_sweeps(monkeypatch, {"ablation": failed, "alone": alone})
     ctx = gpu_stage.Context(True, tmp_path / "a" / "result.json", tmp_path / "a")
-    sweep_stages.ablation72(ctx)
-    got = ctx.results["ablation72_wall_s"]
-    assert got["value"] is None and got["ok"] is False and "1 of 8 runs failed: RuntimeError: boom" in got["detail"]
+    ablation72_stage.ablation72(ctx)
+    wall, bad = ctx.results["ablation72_wall_s"], ctx.results["ablation72_failed"]
+    assert wall["value"] is None and "1 of 8 runs failed: RuntimeError: boom" in wall["detail"]
+    assert bad["value"] == 1 and bad["detail"].endswith("the first error: RuntimeError: boom")
+    assert gpu_acceptance.verdict(bad["value"], "== 0", bad["ok"]) == "missed"
     far = {**{f"run{i}": DONE for i in range(6)}, **alone, "rms-pre-d2-lr3e-3-s1": {**DONE, "final_val_loss": 2.6}}
     fake_sweeps(monkeypatch, {"ablation": far, "alone": alone})
     ctx = gpu_stage.Context(True, tmp_path / "b" / "result.json", tmp_path / "b")
-    sweep_stages.ablation72(ctx)
-    got = ctx.results["ablation72_wall_s"]
-    assert got["value"] == 38.65 and got["ok"] is False and "difference of final val loss 4.00e-02" in got["detail"]
+    ablation72_stage.ablation72(ctx)
+    got = ctx.results["ablation72_packed_vs_alone"]
+    assert got["value"] == 0.04 and got["ok"] is False and "difference of final val loss 4.00e-02" in got["detail"]
+
+
+def test_the_ablation_script_runs_the_grid_then_compare_and_writes_the_record_on_the_cpu(tmp_path):
+    """scripts/gpu/ablation72.sh --smoke: the stage's real commands on a tiny grid (8 runs in 2 packs), then
+    normlab compare; the figures, the record with compare's answer, and compare's report dir come back under OUT."""
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu/ablation72.sh"), "--smoke"], cwd=SCRIPTS.parent, text=True,
+                          capture_output=True, env={**os.environ, "OUT": str(out), "WANDB_MODE": "disabled"}, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((out / "gpu-acceptance.json").read_text())
+    assert doc["command"].endswith("--stage ablation72 --smoke") and doc["commit"] and doc["started"]
+    got = figures(out)
+    assert got["ablation72_wall_s"]["value"] > 0 and got["ablation72_failed"]["value"] == 0
+    assert 0 < got["ablation72_head_s"]["value"] < got["ablation72_wall_s"]["value"]
+    assert got["ablation72_2000_projected_s"]["value"] > got["ablation72_wall_s"]["value"]
+    record = (out / "ablation72-smoke.md").read_text()
+    assert f"commit {doc['commit']}" in record and "8 runs in 2 arms." in record and "95% interval" in record
+    with tarfile.open(out / "ablation72-report.tar.gz") as tar:
+        assert {"report/report.md", "report/arms.csv", "report/runs.csv"} <= set(tar.getnames())
+    assert "sweep: 8 jobs (8 completed)" in (out / "ablation72-sweep.log").read_text()
+
+
+def test_the_ablation_script_refuses_an_unknown_argument_in_one_line_and_writes_nothing(tmp_path):
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu/ablation72.sh"), "--fast"], cwd=SCRIPTS.parent, text=True,
+                          capture_output=True, env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert done.returncode == 2 and not (tmp_path / "out").exists()
+    assert done.stderr == "ablation72.sh: error: unknown arguments '--fast': give --smoke or nothing\n"
 
 
 @pytest.mark.parametrize("value, target, ok, control, expected", [
@@ -281,9 +335,9 @@ def test_bad_arguments_give_one_line_and_write_nothing(tmp_path, capsys, args, m
 
 
 def test_the_device_slug_names_the_gpu():
-    assert gpu_acceptance.device_slug("NVIDIA H100 80GB HBM3") == "h100"
-    assert gpu_acceptance.device_slug("NVIDIA H200") == "h200"
-    assert gpu_acceptance.device_slug("Some Card") == "some-card"
+    assert gpu_stage.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_stage.device_slug("NVIDIA H200") == "h200"
+    assert gpu_stage.device_slug("Some Card") == "some-card"
 
 
 def test_a_signal_that_comes_while_a_stage_starts_cuts_it_off(tmp_path):

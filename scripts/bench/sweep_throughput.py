@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -28,13 +29,32 @@ from normlab.launch.sweep_log import phase_totals
 SWEEP = ["norm=none,layer,rms,batch", "placement=pre,post", "model=medium", "max_steps=300"]
 
 
-def run_sweep(normlab: list[str], overrides: list[str], sweep_dir: Path) -> tuple[float, dict[str, dict]]:
-    """Wall seconds of the sweep command, and each job's summary.json by run name."""
+def run_sweep(normlab: list[str], overrides: list[str], sweep_dir: Path, timeout: float | None = None,
+              log: Path | None = None) -> tuple[float, dict[str, dict]]:
+    """Wall seconds of the sweep command, and each job's summary.json by run name. Its output goes to `log` (appended;
+    else stdout is dropped and stderr passed on). A command still running after `timeout` seconds is stopped as a
+    scheduler stops one (SIGTERM, which its running jobs take as a preemption; SIGKILL 30 s later): its jobs that did
+    not finish then show in their summaries (or their absence). A command that exits non-zero of itself (a refused
+    config) raises CalledProcessError; failed jobs do not make a sweep exit non-zero."""
+    import signal
     import subprocess
 
     start = time.perf_counter()
-    subprocess.run([*normlab, "train", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"], env=script_env(), check=True,
-                   stdout=subprocess.DEVNULL)
+    with open(log, "ab") if log else open(os.devnull, "wb") as out:
+        proc = subprocess.Popen([*normlab, "train", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"], env=script_env(),
+                                stdout=out, stderr=subprocess.STDOUT if log else None)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            code = 0
+    if code:
+        raise subprocess.CalledProcessError(code, proc.args)
     wall = time.perf_counter() - start
     jobs = {}
     for path in sweep_dir.rglob("summary.json"):

@@ -4,6 +4,7 @@
 
 On a GPU machine without network access (carrying .whl; see docs/speed.md#gpu-acceptance):
     source .whl/setup.sh && python3 scripts/gpu/acceptance.py --out $OUT --stage NAME ...
+scripts/gpu/ablation72.sh is the prepared command for the 72-run ablation's stage, within 9 minutes.
 
 The stages (scripts/gpu/acceptance_stages.py; default: all, in its order) run one after another, each in a process
 of its own with a wall-clock budget. After each stage DIR/gpu-acceptance.json (device, torch, cuda, commit,
@@ -14,9 +15,9 @@ quartiles and raw per-window seconds; an overhead figure's `control` is its A/A 
 value null and why, and the next one runs; the figures a stage reported before it was cut off are kept. A stage
 that ends early leaves its unused time to the next: the run never takes longer than the budgets' sum.
 SIGTERM or SIGINT (a time limit's signal, Ctrl-C) stops the stage in flight, records it "cut off", writes the
-files and exits 128 + the signal. On a CUDA device the JSON is also copied to gpu-<device>.json beside it
-and under docs/benchmarks/. `--smoke`: every stage at a tiny size on the CPU, same figure names (default DIR:
-outputs/gpu-acceptance-smoke/, so CPU figures never land in docs/benchmarks/).
+files and exits 128 + the signal. DIR defaults to outputs/gpu-acceptance/; a run's files become a dated record
+in docs/benchmarks/ by hand. `--smoke`: every stage at a tiny size on the CPU, same figure names (default DIR:
+outputs/gpu-acceptance-smoke/).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -102,12 +102,6 @@ def environment(smoke: bool, argv: list[str]) -> dict[str, Any]:
             "cpus": os.cpu_count(), "load_average": [round(v, 2) for v in os.getloadavg()]}
 
 
-def device_slug(device: str) -> str:
-    """gpu-<slug>.json's slug: h100 for 'NVIDIA H100 80GB HBM3', else the name in lower case and dashes."""
-    known = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", device)
-    return known.group(1).lower() if known else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-
-
 class Report:
     """The JSON and the markdown table, rewritten whole after every change."""
 
@@ -148,10 +142,6 @@ class Report:
         doc = {**self.header, "figures": list(self.figures.values()), "stages": list(self.stages.values())}
         write_json_atomic(self.out / "gpu-acceptance.json", doc)
         write_bytes_atomic(self.out / "gpu-acceptance.md", self.markdown().encode())
-        if not self.header["smoke"] and self.header["cuda"] and not self.header["device"].startswith("cpu"):
-            name = f"gpu-{device_slug(self.header['device'])}.json"
-            for folder in {self.out.resolve(), (ROOT / "docs" / "benchmarks").resolve()}:
-                write_json_atomic(folder / name, doc)
 
     def markdown(self) -> str:
         h = self.header
@@ -192,7 +182,7 @@ def run_stage(stage: Stage, budget: float, smoke: bool, log, scratch: Path, sign
     """The stage in a process (and process group) of its own, stopped at `budget` seconds or by a signal: its
     results, wall time, status and, where it did not finish, why. Files it writes beside the JSON go to `out`."""
     result = scratch / f"{stage.name}.json"
-    command = [sys.executable, __file__, "--child", stage.name, "--result", str(result),
+    command = [sys.executable, __file__, "--child", stage.name, "--result", str(result), "--seconds", str(budget),
                *(["--out", str(out)] if out else []), *(["--smoke"] if smoke else [])]
     log.write(f"\n===== stage {stage.name} (budget {budget:g} s), {time.strftime('%H:%M:%S')} =====\n")
     log.flush()
@@ -242,13 +232,13 @@ def read_results(path: Path) -> dict:
         return {}
 
 
-def child(name: str, result: Path, smoke: bool, out: Path | None = None) -> int:
-    """Run one stage in this process; its figures go to `result` as it reports them, its files to `out` (by
-    default its scratch dir)."""
+def child(name: str, result: Path, smoke: bool, out: Path | None = None, seconds: float | None = None) -> int:
+    """Run one stage in this process within `seconds`; its figures go to `result` as it reports them, its files to
+    `out` (by default its scratch dir)."""
     from normlab.util.files import write_json_atomic
 
     with tempfile.TemporaryDirectory(prefix=f"acceptance-{name}-") as workdir:
-        ctx = Context(smoke, result, Path(workdir), out)
+        ctx = Context(smoke, result, Path(workdir), out, seconds)
         try:
             BY_NAME[name].run(ctx)
         except Exception as error:  # the driver records it as the stage's reason; the traceback goes to the log
@@ -264,7 +254,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="every stage at a tiny size on the CPU")
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder of gpu-acceptance.json and .md (default: docs/benchmarks/; "
+                        help="folder of gpu-acceptance.json and .md (default: outputs/gpu-acceptance/; "
                              "with --smoke: outputs/gpu-acceptance-smoke/)")
     parser.add_argument("--stage", nargs="+", action="extend", default=None, metavar="NAME",
                         help=f"stages to run, in the script's order (default: all): {', '.join(BY_NAME)}")
@@ -272,6 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="another wall-clock budget for a stage (repeatable)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -293,7 +284,7 @@ def budgets(args: argparse.Namespace) -> dict[str, float] | str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        return child(args.child, args.result, args.smoke, args.out)
+        return child(args.child, args.result, args.smoke, args.out, args.seconds)
     unknown = [name for name in args.stage or () if name not in BY_NAME]
     limits = budgets(args)
     problem = (f"unknown stage {unknown[0]!r}: choose from {', '.join(BY_NAME)}" if unknown
@@ -308,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     chosen = args.stage
     stages = [s for s in STAGES if chosen is None or s.name in chosen]
-    out = args.out or ROOT / ("outputs/gpu-acceptance-smoke" if args.smoke else "docs/benchmarks")
+    out = args.out or ROOT / ("outputs/gpu-acceptance-smoke" if args.smoke else "outputs/gpu-acceptance")
     out.mkdir(parents=True, exist_ok=True)
     signals = Signals()
     header = environment(args.smoke, sys.argv[1:] if argv is None else argv)

@@ -1,14 +1,15 @@
 """The stages of scripts/gpu/acceptance.py, in the order they run: what each measures, its figures, targets and
-budgets. The stages themselves are in speed_stages.py, sweep_stages.py and suite_stages.py; what they share (Stage,
-Figure, Context) in gpu_stage.py.
+budgets. The stages themselves are in speed_stages.py, sweep_stages.py, ablation72_stage.py and suite_stages.py; what
+they share (Stage, Figure, Context) in gpu_stage.py.
 """
 
 from __future__ import annotations
 
+from ablation72_stage import ablation72, ablation72_2000
 from gpu_stage import Figure, Stage
 from speed_stages import deterministic, gpt2, medium_graphs, telemetry, telemetry_gpt2
 from suite_stages import suite, torchrun
-from sweep_stages import ablation72, pack21, sweep8
+from sweep_stages import pack21, sweep8
 
 
 def figures(*specs: tuple[str, str, str | None]) -> tuple[Figure, ...]:
@@ -43,8 +44,15 @@ STAGES = (
           "the 8-arm medium sweep, command to closing table, default launcher"),
     Stage("pack21", figures(("pack21_wall_s", "s", "<= 30"),), 120, 150, pack21,
           "the 21-run lr × seed grid of the medium preset as one pack"),
-    Stage("ablation72", figures(("ablation72_wall_s", "s", "<= 150"),), 400, 300, ablation72,
-          "the 72-run ablation (4 norms x 2 placements x 3 lrs x 3 seeds, medium, 500 steps), packed, 4 packs at once"),
+    Stage("ablation72", figures(("ablation72_wall_s", "s", "<= 150"), ("ablation72_head_s", "s", "<= 15"),
+                                ("ablation72_failed", "runs", "== 0"), ("ablation72_compare_s", "s", None),
+                                ("ablation72_2000_projected_s", "s", "<= 600"),
+                                ("ablation72_packed_vs_alone", "relative", "<= 0.01")), 450, 300, ablation72,
+          "the 72-run ablation (4 norms x 2 placements x 3 lrs x 3 seeds, medium, 500 steps), packed, 4 packs at once, "
+          "then normlab compare on it and the record of its answer"),
+    Stage("ablation72_2000", figures(("ablation72_2000_wall_s", "s", "<= 600"), ("ablation72_2000_head_s", "s", "<= 15"),
+                                     ("ablation72_2000_failed", "runs", "== 0")), 590, 300, ablation72_2000,
+          "the same grid at 2,000 steps (590M tokens), timed"),
     Stage("suite", figures(("suite_failed", "tests", "== 0"), ("suite_passed", "tests", None)), 120, 120, suite,
           "the test suite on this machine, tests/test_cuda.py included"),
     Stage("torchrun", figures(("torchrun_cpu2_ok", "", "== true"),), 33, 120, torchrun,

@@ -9,7 +9,9 @@ tiny size on the CPU (bf16 where the CPU has native bf16, else fp32; no CUDA gra
 from __future__ import annotations
 
 import functools
+import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -44,12 +46,19 @@ class Stage:
 
 class Context:
     """What a stage sees: smoke or not, its device and precision, a scratch dir, the directory of the run's JSON
-    (`out`, for files kept beside it), and `report`."""
+    (`out`, for files kept beside it), its budget's end (`timeout`) and `report`."""
 
-    def __init__(self, smoke: bool, result_path: Path, workdir: Path, out: Path | None = None):
+    def __init__(self, smoke: bool, result_path: Path, workdir: Path, out: Path | None = None,
+                 budget_s: float | None = None):
         self.smoke, self.result_path, self.workdir = smoke, result_path, workdir
         self.out = workdir if out is None else out
         self.results: dict[str, dict[str, Any]] = {}
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
+
+    def timeout(self, reserve: float = 0.0) -> float | None:
+        """Seconds a part of the stage may take while `reserve` seconds stay for the parts after it (at least 1);
+        None where the stage has no budget (run on its own)."""
+        return None if self.deadline is None else max(1.0, self.deadline - time.monotonic() - reserve)
 
     @functools.cached_property
     def device(self):
@@ -99,3 +108,8 @@ def normlab_env(ctx: Context) -> dict[str, str]:
 
     return {**script_env(), "OMP_NUM_THREADS": "1"} if ctx.smoke else script_env()  # one thread: bit-exact CPU reductions
 
+
+def device_slug(device: str) -> str:
+    """A file name's part for a device: h100 for 'NVIDIA H100 80GB HBM3', else the name in lower case and dashes."""
+    known = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", device)
+    return known.group(1).lower() if known else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")

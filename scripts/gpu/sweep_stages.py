@@ -1,5 +1,6 @@
-"""The stages that time `normlab train -m` commands, command to closing table: the 8-arm sweep, the 21-run pack and
-the 72-run ablation, each beside a few of its runs made another way (one after another, unpacked)."""
+"""The stages that time `normlab train -m` commands, command to closing table: the 8-arm sweep and the 21-run pack,
+each beside a few of its runs made another way (one after another, unpacked). The 72-run ablation is
+ablation72_stage.py's."""
 
 from __future__ import annotations
 
@@ -81,53 +82,3 @@ def pack21(ctx: Context) -> None:
         detail += f"largest relative difference of loss, grad_norm, val_loss {worst:.2e} (tolerance {tolerance:g})"
     ctx.report("pack21_wall_s", value, detail, "the sampled members unpacked, rows of every step",
                f"normlab train -m {' '.join(overrides)}", ok=worst <= tolerance)
-
-
-# Issue 38's ablation: 4 norms x 2 placements x 3 lrs x 3 seeds of the medium preset, 500 steps (147M tokens).
-ABLATION = {"norm": "none,layer,rms,batch", "placement": "pre,post", "lr": "1e-3,3e-3,1e-2", "seed": "0,1,2",
-            "model": "medium", "max_steps": 500}
-# How it runs, from the H100's measurements (docs/speed.md): each norm x placement arm's 9 lr x seed runs as one
-# pack (one model's kernel launches for 9 runs' work), 4 packs at once on the GPU; eager, as packs are.
-ABLATION_RUN = {"pack": "true", "hydra.launcher.jobs_per_gpu": 4}
-# The smoke's grid: 2 packs of 4 tiny runs on the CPU (the whole grid would take minutes there).
-ABLATION_SMOKE = {"norm": "layer,rms", "placement": "pre", "lr": "1e-3,3e-3", "seed": "0,1", "max_steps": 4}
-# Final val losses of sampled runs, packed against one at a time: bf16 on a GPU is not bit-exact, and 500 steps
-# let rounding differences grow (a bound set ahead of the first GPU run, which reports the difference itself);
-# within 1e-5 on the CPU in fp32, as docs/sweeps.md says of packs.
-ABLATION_TOLERANCE = 1e-2
-
-
-def ablation72(ctx: Context) -> None:
-    """The 72-run ablation as one sweep command (packs, concurrent on the GPU), then two of its runs one at a
-    time: the sweep's wall time, and whether their final val losses agree."""
-    from normlab.launch.sweep_log import phase_totals
-    from startup import normlab_command
-    from sweep_throughput import run_sweep, unfinished
-
-    grid = {**ABLATION, **ABLATION_RUN}
-    overrides = ctx.run_overrides(grid, smoke=ABLATION_SMOKE)
-    normlab = normlab_command()
-    wall, jobs = run_sweep(normlab, overrides, ctx.workdir / "ablation")
-    expected = 8 if ctx.smoke else 72
-    value, detail = sweep_wall(wall, jobs, expected, "runs")
-    steps = int(dict(o.split("=", 1) for o in overrides)["max_steps"])
-    tokens = sum(s.get("tokens") or 0 for s in jobs.values())
-    detail += (f"; {tokens / 1e6:.1f}M tokens, {tokens / wall:,.0f} tokens/s over the whole command; "
-               f"{phase_totals(list(jobs.values())) or 'no phases recorded'}")
-    sample = ctx.run_overrides({**grid, "norm": "layer,rms", "placement": "pre", "lr": "3e-3", "seed": "1",
-                                "pack": "false", "hydra.launcher.jobs_per_gpu": 2},
-                               smoke={"norm": "layer,rms", "placement": "pre", "lr": "3e-3", "seed": "1", "max_steps": 4})
-    _, alone = run_sweep(normlab, sample, ctx.workdir / "alone")
-    tolerance, diff = (1e-5 if ctx.smoke else ABLATION_TOLERANCE), float("inf")
-    if why := ("the sweep's runs did not finish" if value is None else unfinished(alone, 2, "runs")):
-        detail += f"; runs one at a time not compared: {why}"
-    elif missing := [n for n in alone if n not in jobs]:
-        detail += f"; runs one at a time not compared: {', '.join(missing)} not in the sweep"
-    else:
-        diff = max(abs(jobs[n]["final_val_loss"] - s["final_val_loss"]) / abs(s["final_val_loss"]) for n, s in alone.items())
-        detail += (f"; {', '.join(sorted(alone))} one at a time (pack=false, {steps} steps): largest relative "
-                   f"difference of final val loss {diff:.2e} (tolerance {tolerance:g})")
-    ctx.report("ablation72_wall_s", value, detail, "two of its runs one at a time: their final val losses",
-               f"normlab train -m {' '.join(overrides)}", ok=diff <= tolerance)
-
-

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS / "gpu"))
@@ -47,22 +48,25 @@ def figures(out: Path) -> dict[str, dict]:
 
 
 def test_a_smoke_stage_measures_its_figures_and_one_past_its_budget_records_null_and_why(tmp_path):
-    proc = start(tmp_path, "--stage", "suite", "deterministic", "--budget", "deterministic=0.5")
+    proc = start(tmp_path, "--stage", "cuda_tests", "deterministic", "--budget", "deterministic=0.5")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     got = figures(tmp_path)
-    assert list(got) == ["deterministic_resume_equal", "deterministic_cost", "suite_failed", "suite_passed"]
-    failed, passed = got["suite_failed"], got["suite_passed"]
+    assert list(got) == ["deterministic_resume_equal", "deterministic_cost", "cuda_tests_failed", "cuda_tests_passed",
+                         "cuda_tests_wall_s"]
+    failed, passed, wall = got["cuda_tests_failed"], got["cuda_tests_passed"], got["cuda_tests_wall_s"]
     assert failed["value"] == 0 and failed["verdict"] == "met" and failed["target"] == "== 0"
-    assert isinstance(passed["value"], int) and passed["value"] > 0 and passed["verdict"] is None  # no target
-    assert "tests/test_cuda.py" in failed["command"] and "smoke" in failed["detail"]
-    for name in ("deterministic_resume_equal", "deterministic_cost"):  # the stage before the suite: over budget
+    assert passed["value"] == (12 if torch.cuda.is_available() else 0) and passed["verdict"] is None  # no target
+    assert failed["detail"] == passed["detail"]
+    assert failed["detail"].startswith("12 passed in " if torch.cuda.is_available() else "12 skipped in ")
+    assert 0 < wall["value"] < 600 and wall["command"] == "python -m pytest -q -n 0 --durations=0 tests/test_cuda.py"
+    for name in ("deterministic_resume_equal", "deterministic_cost"):  # the stage before: over budget
         assert got[name]["value"] is None and got[name]["verdict"] is None
         assert got[name]["detail"] == "ran past its budget of 0.5 s and was stopped"
     table = (tmp_path / "gpu-acceptance.md").read_text()
-    assert "| suite_failed | 0 | tests | == 0 |  | met |" in table and f"| suite_passed | {passed['value']} | tests |" in table
+    assert "| cuda_tests_failed | 0 | tests | == 0 |  | met |" in table and f"| cuda_tests_passed | {passed['value']} | tests |" in table
     assert "| deterministic_resume_equal | null |" in table and "| deterministic | 0.5 |" in table
-    assert "===== stage suite" in (tmp_path / "gpu-acceptance.log").read_text()
+    assert "===== stage cuda_tests" in (tmp_path / "gpu-acceptance.log").read_text()
 
 
 def test_sigterm_cuts_off_the_stage_in_flight_and_leaves_valid_files(tmp_path):
@@ -364,4 +368,3 @@ def test_the_suite_stage_reads_pytests_summary_and_a_cut_off_runs_progress():
     cut = ["bringing up nodes...", "..s.F....E.   [ 10%]", "....x....s    [ 20%]", "..F"]
     counts, percent = suite_stages.pytest_progress(cut)
     assert counts == {"passed": 18, "failed": 2, "error": 1, "skipped": 2} and percent == 20
-    assert suite_stages.add(counts, {"passed": 4, "failed": 1}) == {"passed": 22, "failed": 3, "error": 1, "skipped": 2}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ablation72_stage import ablation72, ablation72_2000
 from gpu_stage import Figure, Stage
 from speed_stages import deterministic, gpt2, medium_graphs, telemetry, telemetry_gpt2
-from suite_stages import suite, torchrun
+from suite_stages import cuda_tests, suite, torchrun
 from sweep_stages import pack21, sweep8
 
 
@@ -53,8 +53,11 @@ STAGES = (
     Stage("ablation72_2000", figures(("ablation72_2000_wall_s", "s", "<= 600"), ("ablation72_2000_head_s", "s", "<= 15"),
                                      ("ablation72_2000_failed", "runs", "== 0")), 590, 300, ablation72_2000,
           "the same grid at 2,000 steps (590M tokens), timed"),
-    Stage("suite", figures(("suite_failed", "tests", "== 0"), ("suite_passed", "tests", None)), 120, 120, suite,
-          "the test suite on this machine, tests/test_cuda.py included"),
+    Stage("cuda_tests", figures(("cuda_tests_failed", "tests", "== 0"), ("cuda_tests_passed", "tests", None),
+                                ("cuda_tests_wall_s", "s", "<= 60")), 100, 120, cuda_tests,
+          "tests/test_cuda.py, in one process, timed"),
+    Stage("suite", figures(("suite_failed", "tests", "== 0"), ("suite_passed", "tests", None)), 240, 120, suite,
+          "the rest of the test suite on this machine"),
     Stage("torchrun", figures(("torchrun_cpu2_ok", "", "== true"),), 33, 120, torchrun,
           "two gloo ranks on the CPU under torchrun"),
 )

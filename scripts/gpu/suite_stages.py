@@ -1,4 +1,5 @@
-"""The stages that run other commands and count what they report: the test suite and torchrun."""
+"""The stages that run other commands and count what they report: tests/test_cuda.py, the rest of the test suite,
+and torchrun."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 from gpu_stage import ROOT, Context, normlab_env
 
@@ -32,56 +34,66 @@ def pytest_progress(lines: list[str]) -> tuple[dict[str, int], int | None]:
             "skipped": chars.count("s")}, percent
 
 
-def suite(ctx: Context) -> None:
-    """tests/test_cuda.py first (`-n 0`), then the rest of `python -m pytest -q`; the figures count both. Each
-    part reports as it ends; a stage cut off while the rest runs reports what the rest reached (its progress
-    line), marked not met. With smoke the rest is tests/test_schedule.py alone."""
-    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    first = subprocess.run([*run, "-n", "0", "tests/test_cuda.py"], cwd=ROOT, capture_output=True, text=True)
-    print(first.stdout[-20000:], first.stderr[-5000:], sep="\n", flush=True)
-    lines = first.stdout.strip().splitlines()
-    cuda = pytest_counts(lines)
-    if not cuda:
-        raise RuntimeError(f"pytest tests/test_cuda.py exited {first.returncode} without its summary line: "
-                           f"{' '.join(lines[-3:])[-300:]}")
-    names = [line.split(" ")[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    rest = ["-n", "0", "tests/test_schedule.py"] if ctx.smoke else ["--ignore", "tests/test_cuda.py"]
-    command = f"python -m pytest -q -n 0 tests/test_cuda.py; python -m pytest -q {' '.join(rest)}"
-    scope = "smoke: the rest is tests/test_schedule.py alone; " if ctx.smoke else ""
-    cuda_text = f"tests/test_cuda.py: {lines[-1].strip('= ')}"
-    report_suite(ctx, cuda, names, f"{scope}{cuda_text}; the rest not reached", command, done=False)
-    log_path = ctx.workdir / "rest.log"
+def pytest_stage(ctx: Context, prefix: str, args: list[str], scope: str = "") -> float | None:
+    """`python -m pytest -q ARGS`, its output in the stage's log: the failed (with errors) and passed tests reported
+    as `prefix`_failed and `prefix`_passed; its wall time returned. Stopped by the driver (SIGTERM: pytest, in the
+    same process group, got it too), it reports what the progress lines reached, marked not met, and exits."""
+    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    text = " ".join(command)
+    log_path = ctx.workdir / f"{prefix}.log"
+    started = time.perf_counter()
     with log_path.open("w") as log:
-        proc = subprocess.Popen([*run, *rest], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
-        def cut_off(signum, frame):  # the driver's stop: pytest (same process group) got the signal too
+        def cut_off(signum, frame):
             proc.wait()
             counts, percent = pytest_progress(log_path.read_text().splitlines())
-            report_suite(ctx, add(cuda, counts), names, f"{scope}{cuda_text}; the rest cut off by "
-                         f"{signal.Signals(signum).name} at {percent}% of its tests: {counts}", command, done=False)
+            report_counts(ctx, prefix, counts, [], f"{scope}cut off by {signal.Signals(signum).name} at {percent}% of "
+                          f"its tests: {counts}", text, done=False)
             sys.exit(128 + signum)
 
         signal.signal(signal.SIGTERM, cut_off)
         proc.wait()
+    wall = time.perf_counter() - started
     lines = log_path.read_text().strip().splitlines()
-    print("\n".join(lines[-200:]), flush=True)
+    print("\n".join(lines[-300:]), flush=True)
     counts = pytest_counts(lines)
     if not counts:
         raise RuntimeError(f"pytest exited {proc.returncode} without its summary line: {' '.join(lines[-3:])[-300:]}")
-    names += [line.split(" ")[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    report_suite(ctx, add(cuda, counts), names, f"{scope}{cuda_text}; the rest: {lines[-1].strip('= ')}", command)
+    names = [line.split(" ")[1] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    report_counts(ctx, prefix, counts, names, f"{scope}{lines[-1].strip('= ')}", text)
+    return wall
 
 
-def add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {key: a.get(key, 0) + b.get(key, 0) for key in {*a, *b}}
-
-
-def report_suite(ctx: Context, counts: dict[str, int], names: list[str], detail: str, command: str,
-                 done: bool = True) -> None:
+def report_counts(ctx: Context, prefix: str, counts: dict[str, int], names: list[str], detail: str, command: str,
+                  done: bool = True) -> None:
     failed = counts.get("failed", 0) + counts.get("error", 0)
     detail += f"; first failures: {', '.join(names[:5])}" if names else ""
-    ctx.report("suite_failed", failed, detail, None, command, ok=done)
-    ctx.report("suite_passed", counts.get("passed", 0), detail, None, command, ok=done)
+    ctx.report(f"{prefix}_failed", failed, detail, None, command, ok=done)
+    ctx.report(f"{prefix}_passed", counts.get("passed", 0), detail, None, command, ok=done)
+
+
+DURATION = re.compile(r"^([\d.]+)s (?:call|setup|teardown)\s+tests/test_cuda\.py::(\S+)")
+
+
+def cuda_tests(ctx: Context) -> None:
+    """tests/test_cuda.py alone, in one process (`-n 0`): its failed and passed tests, and its wall time, the
+    command's start to its end (target <= 60 s on a GPU), with its slowest tests (pytest's --durations)."""
+    wall = pytest_stage(ctx, "cuda_tests", ["-n", "0", "--durations=0", "tests/test_cuda.py"])
+    lines = (ctx.workdir / "cuda_tests.log").read_text().splitlines()
+    slowest = sorted(((float(m.group(1)), m.group(2)) for line in lines if (m := DURATION.match(line))), reverse=True)
+    ctx.report("cuda_tests_wall_s", round(wall, 1), "the pytest command, start to end (its interpreter and imports "
+               "included); slowest: " + (", ".join(f"{name} {seconds:.1f} s" for seconds, name in slowest[:4]) or "none"),
+               None, "python -m pytest -q -n 0 --durations=0 tests/test_cuda.py")
+
+
+def suite(ctx: Context) -> None:
+    """The rest of `python -m pytest -q` (tests/test_cuda.py is stage cuda_tests'). With smoke,
+    tests/test_schedule.py alone."""
+    if ctx.smoke:
+        pytest_stage(ctx, "suite", ["-n", "0", "tests/test_schedule.py"], "smoke: tests/test_schedule.py alone; ")
+    else:
+        pytest_stage(ctx, "suite", ["--ignore", "tests/test_cuda.py"])
 
 
 def torchrun(ctx: Context) -> None:

@@ -266,6 +266,7 @@ def test_the_ablation_script_refuses_an_unknown_argument_in_one_line_and_writes_
     # an overhead beside its A/A control: within the target's noise floor the value decides; beyond it, nothing does
     (2.0, "<= 3", True, 0.8, "met"), (3.5, "<= 3", True, -2.9, "missed"), (2.0, "<= 3", True, 3.4, "inconclusive"),
     (40.0, "<= 3", True, -3.01, "inconclusive"), (12.0, None, True, 9.0, None),
+    (False, "== false", True, None, "met"), (True, "== false", True, None, "missed"),
 ])
 def test_verdict_compares_a_value_with_its_target_unless_its_a_a_control_is_above_it(value, target, ok, control, expected):
     assert gpu_acceptance.verdict(value, target, ok, control) == expected
@@ -336,6 +337,27 @@ def test_bad_arguments_give_one_line_and_write_nothing(tmp_path, capsys, args, m
     err = capsys.readouterr().err
     assert err.startswith(f"gpu_acceptance: error: {message}") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_the_processes_still_holding_a_stopped_sweeps_output_are_named(tmp_path):
+    """What mps_sigterm writes where a sweep's output stays open after SIGTERM: each process holding it, in the
+    sweep's session or one of its own."""
+    import mps_stage
+
+    read, write = os.pipe()
+    child = subprocess.Popen(["sleep", "30"], stdout=write, start_new_session=True)
+    os.close(write)
+    try:
+        holders = mps_stage.pipe_holders(read)
+        assert [(h["pid"], h["comm"], h["session"], h["cmdline"]) for h in holders] == \
+            [(child.pid, "sleep", str(child.pid), "sleep 30 ")]
+        assert holders[0]["state"] in "SR" and holders[0]["wchan"]
+        assert [(p["pid"], p["comm"]) for p in mps_stage.session_processes(child.pid)] == [(child.pid, "sleep")]
+        mps_stage.kill_session(child.pid)
+        assert child.wait(timeout=10) == -signal.SIGKILL and mps_stage.pipe_holders(read) == []
+    finally:
+        child.kill()
+        os.close(read)
 
 
 def test_the_device_slug_names_the_gpu():

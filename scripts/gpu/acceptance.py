@@ -69,13 +69,13 @@ class Signals:
 
 
 def verdict(value: Any, target: str | None, ok: bool = True, control: float | None = None) -> str | None:
-    """`value` against `target` ("<op> <number or true>"): "met" or "missed" (missed too where not `ok`); but
+    """`value` against `target` ("<op> <number, true or false>"): "met" or "missed" (missed too where not `ok`); but
     "inconclusive" where the A/A `control` differs by more than the target's number (the comparison's noise floor
     is above what it must show); None without a value or a target."""
     if value is None or target is None:
         return None
     op, want = target.split(" ", 1)
-    bound = True if want == "true" else float(want)
+    bound = {"true": True, "false": False}[want] if want in ("true", "false") else float(want)
     if control is not None and abs(control) > abs(bound):
         return "inconclusive"
     return "met" if OPS[op](value, bound) and ok else "missed"

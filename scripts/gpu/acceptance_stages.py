@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ablation72_stage import ablation72, ablation72_2000
 from gpu_stage import Figure, Stage
+from mps_stage import mps_sigterm
 from speed_stages import deterministic, gpt2, medium_graphs, telemetry, telemetry_gpt2
 from suite_stages import cuda_tests, suite, torchrun
 from sweep_stages import pack21, sweep8
@@ -56,6 +57,9 @@ STAGES = (
     Stage("cuda_tests", figures(("cuda_tests_failed", "tests", "== 0"), ("cuda_tests_passed", "tests", None),
                                 ("cuda_tests_wall_s", "s", "<= 60")), 100, 120, cuda_tests,
           "tests/test_cuda.py, in one process, timed"),
+    Stage("mps_sigterm", figures(("mps_sigterm_exit_s", "s", "<= 30"), ("mps_daemon_left", "", "== false")), 130, 180,
+          mps_sigterm, "the 8-arm medium sweep under MPS (hydra.launcher.mps=true, 4 jobs on the GPU) stopped by SIGTERM "
+          "mid-training: the seconds until its output closed, and whether its daemon was left running"),
     Stage("suite", figures(("suite_failed", "tests", "== 0"), ("suite_passed", "tests", None)), 240, 120, suite,
           "the rest of the test suite on this machine"),
     Stage("torchrun", figures(("torchrun_cpu2_ok", "", "== true"),), 33, 120, torchrun,

@@ -31,7 +31,7 @@ SMOKE_RUN = {"model": "tiny", "batch_size": "4", "seq_len": "16", "eval_batches"
 class Figure:
     name: str
     unit: str
-    target: str | None  # "<op> <number or true>" on one H100, e.g. ">= 1.0"; None: reported, no target
+    target: str | None  # "<op> <number, true or false>" on one H100, e.g. ">= 1.0"; None: reported, no target
 
 
 @dataclass(frozen=True)

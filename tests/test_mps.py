@@ -12,7 +12,7 @@ import pytest
 
 from normlab.launch import mps as mps_module
 from normlab.launch.launcher import _pin_worker
-from normlab.launch.mps import Mps, daemon_alive, daemon_dirs, running_daemon, runs_cuda_graphs, sweep_mps, wants_mps
+from normlab.launch.mps import Mps, daemon_alive, daemon_dirs, running_daemon, sweep_mps, wants_mps
 
 # A stand-in control program: `-d` starts a "daemon" (a sleeping process) whose control pipe and pid file are in
 # $CUDA_MPS_PIPE_DIRECTORY, as the real one's are; "get_server_list" lists no server; "quit" on stdin ends it
@@ -152,26 +152,13 @@ def test_a_daemon_that_does_not_quit_is_killed(tmp_path, fake_control, monkeypat
 
 
 def test_which_sweeps_want_mps():
-    assert wants_mps("auto", ["0", "0"], cuda_graphs=True) and wants_mps("auto", ["0", "1", "0", "1"], cuda_graphs=True)
-    assert not wants_mps("auto", ["0", "0"], cuda_graphs=False)  # eager jobs gain nothing from it (docs/speed.md)
-    assert not wants_mps("auto", ["0", "1"], cuda_graphs=True)  # one job on each GPU: nothing to share
-    assert not wants_mps("auto", [None, None], cuda_graphs=True)  # the CPU's slots
-    assert wants_mps(True, ["0", "0"], cuda_graphs=False) and wants_mps("true", ["1", "1"], cuda_graphs=False)
-    assert not wants_mps("true", ["0"], cuda_graphs=True) and not wants_mps(False, ["0", "0"], cuda_graphs=True)
+    assert wants_mps(True, ["0", "0"]) and wants_mps("true", ["1", "1"]) and wants_mps("true", ["0", "1", "0", "1"])
+    assert not wants_mps("true", ["0"]) and not wants_mps("true", ["0", "1"])  # one job on each GPU: nothing to share
+    assert not wants_mps("true", [None, None])  # the CPU's slots
+    # auto: no daemon, eager or CUDA graphs, until a sweep under MPS is seen to end after SIGTERM (docs/speed.md)
+    assert not wants_mps("auto", ["0", "0"]) and not wants_mps(False, ["0", "0"]) and not wants_mps("false", ["0", "0"])
     with pytest.raises(ValueError, match="hydra.launcher.mps='sometimes': must be auto, true or false"):
-        wants_mps("sometimes", ["0", "0"], cuda_graphs=True)
-
-
-def test_which_sweeps_run_cuda_graphs():
-    from omegaconf import OmegaConf
-
-    eager = OmegaConf.create({"compile": False, "compile_mode": "reduce-overhead"})
-    assert not runs_cuda_graphs(eager, [["norm=rms"], ["norm=layer"]])
-    assert runs_cuda_graphs(eager, [["norm=rms"], ["norm=layer", "compile=true"]])
-    compiled = OmegaConf.create({"compile": True, "compile_mode": "default"})
-    assert not runs_cuda_graphs(compiled, [["lr=1e-3"]])
-    assert runs_cuda_graphs(compiled, [["lr=1e-3", "compile_mode=reduce-overhead"]])
-    assert runs_cuda_graphs(OmegaConf.create({"compile": True, "compile_mode": "reduce-overhead"}), [["lr=1e-3"]])
+        wants_mps("sometimes", ["0", "0"])
 
 
 def test_a_worker_gets_the_daemons_environment_before_torch(monkeypatch):

@@ -65,7 +65,7 @@ from normlab.config import RunConfig
 from normlab.config.packing import pack_groups
 from normlab.launch.composed import ComposedOnce
 from normlab.launch.machine import visible_gpus
-from normlab.launch.mps import MPS, runs_cuda_graphs, sweep_mps, wants_mps
+from normlab.launch.mps import MPS, sweep_mps, wants_mps
 from normlab.launch.resolvers import task_dict
 from normlab.launch.sweep_dirs import job_places
 from normlab.launch.sweep_index import BASIC_SWEEPER, Place, recorded_runs
@@ -302,7 +302,7 @@ class NormlabLauncher(BasicLauncher):
             self.workers.keep(0)
             self.workers = None
         if len(slots) > 1:
-            with sweep_mps(sweep_dir, wants_mps(self.mps, slots, runs_cuda_graphs(self.config, job_overrides))) as mps:
+            with sweep_mps(sweep_dir, wants_mps(self.mps, slots)) as mps:
                 if mps.line:
                     log.info(mps.line)
                 return self._launch_concurrently(units, slots, mps.env, places)

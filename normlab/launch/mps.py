@@ -2,9 +2,10 @@
 
 Processes that share a GPU without MPS are time-sliced: the GPU runs one process's kernels at a time, so
 several small, launch-bound jobs hardly overlap. Under the Multi-Process Service their kernels share the
-GPU's multiprocessors at once. `sweep_mps` starts a control daemon of the sweep's own (its pipe and log
-dirs under the sweep dir), hands the workers the environment that points them to it, and stops it when
-the sweep ends, on Ctrl-C or a failure too. Where a daemon already runs (CUDA_MPS_PIPE_DIRECTORY names
+GPU's multiprocessors at once. For a sweep that asks for it (hydra.launcher.mps=true; see MPS for auto),
+`sweep_mps` starts a control daemon of the sweep's own (its pipe and log dirs under the sweep dir), hands the
+workers the environment that points them to it, and stops it when the sweep ends, on Ctrl-C or a failure too
+(not where SIGTERM ends the launching process, which then runs no clean-up). Where a daemon already runs (CUDA_MPS_PIPE_DIRECTORY names
 a live one, or the default /tmp/nvidia-mps does), the jobs use that one and it is left alone. Where none
 can start (no nvidia-cuda-mps-control, a refusal, a client that cannot connect), the sweep runs as plain
 processes and says why in one line.
@@ -27,44 +28,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from omegaconf import DictConfig
-
 CONTROL = "nvidia-cuda-mps-control"
 DEFAULT_PIPE_DIR = Path("/tmp/nvidia-mps")
 # A Unix socket's path is at most 107 bytes; MPS puts sockets in its pipe dir, so a longer sweep dir gets a
 # short pipe dir under the system's temporary dir instead (the log dir stays under the sweep dir).
 MAX_PIPE_DIR = 80
-# Whether a sweep with several jobs on a GPU runs them under NVIDIA MPS (normlab.launch.mps): "auto" starts a
-# daemon of the sweep's own when more than one job shares a GPU, the jobs run CUDA graphs, and none is running;
-# true whenever jobs share a GPU; false never. Measured on an H100 (docs/speed.md), 4 medium models at once:
-# eager, 4.02x one model's throughput without MPS and 3.91x with it (eager steps are bound by the CPU's
-# launches, which separate processes overlap anyway); replaying CUDA graphs, 5.92x without and 8.61x with.
+# Whether a sweep with several jobs on a GPU runs them under NVIDIA MPS (normlab.launch.mps): "auto" starts no
+# daemon, true starts a daemon of the sweep's own when more than one job shares a GPU (or uses the one running),
+# false never. Measured on an H100 (docs/speed.md), 4 medium models at once: eager, 4.02x one model's throughput
+# without MPS and 3.91x with it (eager steps are bound by the CPU's launches, which separate processes overlap
+# anyway); replaying CUDA graphs, 5.92x without and 8.61x with. auto would take that gain for CUDA graphs, but a
+# sweep under a daemon of its own, stopped by SIGTERM there, did not end for about 170 s, whatever held it (not
+# established without a GPU); and a launching process ended by SIGTERM stops no daemon (it runs no clean-up).
+# So auto leaves MPS off until a GPU run shows such a sweep ending (scripts/gpu/acceptance.py --stage mps_sigterm).
 MPS = "auto"
 
 
-def wants_mps(setting: Any, slots: Sequence[Optional[str]], cuda_graphs: bool) -> bool:
-    """Whether the sweep's worker `slots` should run under MPS: `setting` (hydra.launcher.mps: auto, true or
-    false) where more than one slot is on one GPU, and for auto only if the jobs run `cuda_graphs`."""
+def wants_mps(setting: Any, slots: Sequence[Optional[str]]) -> bool:
+    """Whether the sweep's worker `slots` should run under MPS: only for `setting` (hydra.launcher.mps) true, where
+    more than one slot is on one GPU; auto and false never."""
     if setting is None or str(setting).lower() not in ("auto", "true", "false"):
         raise ValueError(f"hydra.launcher.mps={setting!r}: must be auto, true or false")
     on_gpu = [slot for slot in slots if slot is not None]
-    if len(on_gpu) == len(set(on_gpu)) or str(setting).lower() == "false":
-        return False
-    return str(setting).lower() == "true" or cuda_graphs
-
-
-def runs_cuda_graphs(config: DictConfig, job_overrides: Sequence[Sequence[str]]) -> bool:
-    """Whether any job runs compile=true with compile_mode=reduce-overhead: the sweep's config, then each job's
-    overrides of those two keys (cheap: composing every job would cost a sweep a second or more)."""
-    for overrides in job_overrides:
-        values = {"compile": config.get("compile"), "compile_mode": config.get("compile_mode")}
-        for override in overrides:
-            key, _, value = override.lstrip("+").partition("=")
-            if key in values:
-                values[key] = value
-        if str(values["compile"]).lower() == "true" and str(values["compile_mode"]) == "reduce-overhead":
-            return True
-    return False
+    return str(setting).lower() == "true" and len(on_gpu) > len(set(on_gpu))
 
 
 # A client's start, checked once before the jobs: CUDA's driver API through ctypes (no torch: 0.2 s, not 2 s).

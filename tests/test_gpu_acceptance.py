@@ -252,6 +252,20 @@ def test_the_ablation_script_runs_the_grid_then_compare_and_writes_the_record_on
     assert "sweep: 8 jobs (8 completed)" in (out / "ablation72-sweep.log").read_text()
 
 
+@pytest.mark.parametrize("script, limit", [("ablation72.sh", 540), ("acceptance.sh", 600)])
+def test_each_prepared_command_fits_its_time(script, limit):
+    """On a GPU the script's timeout holds its stages' budgets and the driver's start and end (30 s), and with the
+    set-up of .whl (30 s) it ends within `limit`: ablation72.sh within 9 minutes, acceptance.sh within one
+    command's 10."""
+    text = (SCRIPTS / "gpu" / script).read_text()
+    timeout = int(re.search(r'^  ""\) smoke=\(\); limit=(\d+) ;;', text, re.M).group(1))
+    stages = re.search(r"^timeout \$limit python3 scripts/gpu/acceptance.py --out \"\$OUT\" --stage ([\w ]+) \"\$", text,
+                       re.M).group(1).split()
+    budgets = {stage.name: stage.budget_s for stage in acceptance_stages.STAGES}
+    assert set(stages) <= set(budgets)
+    assert sum(budgets[name] for name in stages) + 30 <= timeout and timeout + 30 <= limit
+
+
 def test_the_ablation_script_refuses_an_unknown_argument_in_one_line_and_writes_nothing(tmp_path):
     done = subprocess.run(["bash", str(SCRIPTS / "gpu/ablation72.sh"), "--fast"], cwd=SCRIPTS.parent, text=True,
                           capture_output=True, env={**os.environ, "OUT": str(tmp_path / "out")})

@@ -4,7 +4,8 @@
 
 On a GPU machine without network access (carrying .whl; see docs/speed.md#gpu-acceptance):
     source .whl/setup.sh && python3 scripts/gpu/acceptance.py --out $OUT --stage NAME ...
-scripts/gpu/ablation72.sh is the prepared command for the 72-run ablation's stage, within 9 minutes.
+The two prepared commands run it: scripts/gpu/ablation72.sh (the 72-run ablation, within 9 minutes) and
+scripts/gpu/acceptance.sh (the rest of what the docs need, within 10).
 
 The stages (scripts/gpu/acceptance_stages.py; default: all, in its order) run one after another, each in a process
 of its own with a wall-clock budget. After each stage DIR/gpu-acceptance.json (device, torch, cuda, commit,

@@ -34,16 +34,16 @@ STAGES = (
     Stage("telemetry", figures(("telemetry_overhead_eager", "%", "<= 3"), ("telemetry_overhead_compile", "%", "<= 3"),
                                ("telemetry_step_added_kernels_eager", "kernels", None),
                                ("telemetry_step_added_kernels_compile", "kernels", None)),
-          150, 300, telemetry, "step time with telemetry every 10 steps over without, minus 1, beside the A/A control "
+          140, 300, telemetry, "step time with telemetry every 10 steps over without, minus 1, beside the A/A control "
           "(medium preset, eager and compiled); one telemetry step profiled"),
     Stage("telemetry_gpt2", figures(("telemetry_overhead_gpt2_eager", "%", "<= 3"),), 150, 240, telemetry_gpt2,
           "telemetry's overhead at GPT-2 small's shape, eager, beside the A/A control"),
     Stage("deterministic", figures(("deterministic_resume_equal", "", "== true"), ("deterministic_cost", "%", None)),
           130, 200, deterministic, "deterministic=true: its cost beside the A/A control, and a SIGTERM-stopped, resumed "
           "run against the whole"),
-    Stage("sweep8", figures(("sweep8_wall_s", "s", "<= 20"),), 95, 150, sweep8,
+    Stage("sweep8", figures(("sweep8_wall_s", "s", "<= 20"),), 90, 150, sweep8,
           "the 8-arm medium sweep, command to closing table, default launcher"),
-    Stage("pack21", figures(("pack21_wall_s", "s", "<= 30"),), 120, 150, pack21,
+    Stage("pack21", figures(("pack21_wall_s", "s", "<= 30"),), 110, 150, pack21,
           "the 21-run lr × seed grid of the medium preset as one pack"),
     Stage("ablation72", figures(("ablation72_wall_s", "s", "<= 150"), ("ablation72_head_s", "s", "<= 15"),
                                 ("ablation72_failed", "runs", "== 0"), ("ablation72_compare_s", "s", None),
@@ -52,12 +52,12 @@ STAGES = (
           "the 72-run ablation (4 norms x 2 placements x 3 lrs x 3 seeds, medium, 500 steps), packed, 4 packs at once, "
           "then normlab compare on it and the record of its answer"),
     Stage("ablation72_2000", figures(("ablation72_2000_wall_s", "s", "<= 600"), ("ablation72_2000_head_s", "s", "<= 15"),
-                                     ("ablation72_2000_failed", "runs", "== 0")), 590, 300, ablation72_2000,
+                                     ("ablation72_2000_failed", "runs", "== 0")), 560, 300, ablation72_2000,
           "the same grid at 2,000 steps (590M tokens), timed"),
     Stage("cuda_tests", figures(("cuda_tests_failed", "tests", "== 0"), ("cuda_tests_passed", "tests", None),
-                                ("cuda_tests_wall_s", "s", "<= 60")), 100, 120, cuda_tests,
+                                ("cuda_tests_wall_s", "s", "<= 60")), 85, 120, cuda_tests,
           "tests/test_cuda.py, in one process, timed"),
-    Stage("mps_sigterm", figures(("mps_sigterm_exit_s", "s", "<= 30"), ("mps_daemon_left", "", "== false")), 130, 180,
+    Stage("mps_sigterm", figures(("mps_sigterm_exit_s", "s", "<= 30"), ("mps_daemon_left", "", "== false")), 110, 180,
           mps_sigterm, "the 8-arm medium sweep under MPS (hydra.launcher.mps=true, 4 jobs on the GPU) stopped by SIGTERM "
           "mid-training: the seconds until its output closed, and whether its daemon was left running"),
     Stage("suite", figures(("suite_failed", "tests", "== 0"), ("suite_passed", "tests", None)), 240, 120, suite,

@@ -23,7 +23,7 @@ from gpu_stage import Context, normlab_env
 SWEEP = {"norm": "none,layer,rms,batch", "placement": "pre,post", "model": "medium", "max_steps": 100000,
          "hydra.launcher.jobs_per_gpu": 4, "hydra.launcher.mps": "true"}
 SMOKE = {"norm": "layer,rms", "placement": "pre", "max_steps": 100000, "hydra.launcher.cpu_jobs": 2}
-WAIT = 60  # seconds after the SIGTERM before the processes still holding the output are named and killed
+WAIT = 45  # seconds after the SIGTERM before the processes still holding the output are named and killed
 
 
 def mps_sigterm(ctx: Context) -> None:
@@ -44,7 +44,7 @@ def mps_sigterm(ctx: Context) -> None:
     # end it too.
     signal.signal(signal.SIGTERM, lambda signum, frame: (kill_session(proc.pid), os._exit(128 + signum)))
     try:
-        running = wait_for_training(sweep_dir, running_target(ctx), ctx.timeout(WAIT + 30) or 300, proc)
+        running = wait_for_training(sweep_dir, running_target(ctx), ctx.timeout(WAIT + 10) or 300, proc)
         if proc.poll() is not None:
             raise RuntimeError(f"the sweep ended (exit code {proc.returncode}) before it was stopped: "
                                + b"".join(output).decode(errors="replace")[-300:])

@@ -1,5 +1,6 @@
 """README.md and every page under docs/ render as written: every code block closes, and every relative
-link resolves. The README is a user's page: short, and it links every docs page. What the docs quote is
+link resolves. The README is a user's page: short, and it links every guide (docs/*.md) and the index of
+the dated benchmark records (docs/benchmarks/README.md), which links every record. What the docs quote is
 tied to what makes it (scripts/check_docs.py): quoted outputs are re-run here, figures and images name
 the check or script that re-makes them."""
 
@@ -16,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").rglob("*.md"))
 DOCS = [README, *PAGES]
+GUIDES = sorted((ROOT / "docs").glob("*.md"))
+RECORDS_INDEX = ROOT / "docs" / "benchmarks" / "README.md"
 README_MAX_LINES = 250
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -63,10 +66,26 @@ def test_readme_is_a_short_page():
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; at most {README_MAX_LINES}: move the details to a page under docs/"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_readme_links_every_docs_page(page):
-    linked = {(ROOT / target.partition("#")[0]).resolve() for target in LINK.findall("\n".join(outside_code(README)))}
-    assert page.resolve() in linked, f"README.md does not link {page.relative_to(ROOT)}"
+def linked_from(path: Path) -> set[Path]:
+    """The files `path` links to (outside its code blocks), resolved."""
+    return {(path.parent / target.partition("#")[0]).resolve() for target in LINK.findall("\n".join(outside_code(path)))
+            if not re.match(r"[a-z]+:", target)}
+
+
+@pytest.mark.parametrize("page", [*GUIDES, RECORDS_INDEX], ids=lambda p: str(p.relative_to(ROOT)))
+def test_readme_links_every_guide_and_the_records_index(page):
+    assert page.resolve() in linked_from(README), f"README.md does not link {page.relative_to(ROOT)}"
+
+
+def test_the_records_index_links_every_record_and_each_raw_file_has_its_record():
+    records = [page for page in PAGES if page.parent == RECORDS_INDEX.parent and page != RECORDS_INDEX]
+    assert records, "no dated records under docs/benchmarks/"
+    missing = [r.name for r in records if r.resolve() not in linked_from(RECORDS_INDEX)]
+    assert not missing, f"docs/benchmarks/README.md does not list {missing}"
+    raw = [f for f in RECORDS_INDEX.parent.iterdir() if f.suffix != ".md"]
+    linked = set().union(*(linked_from(record) for record in records))
+    orphans = [f.name for f in raw if f.resolve() not in linked]
+    assert not orphans, f"files under docs/benchmarks/ that no record links: {orphans}"
 
 
 # ---------------------------------------------------------------- what the docs quote is re-run (scripts/check_docs.py)

@@ -78,7 +78,7 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Token caches go to a per-session temp dir, never to ~/.cache."""
+    """Token caches go to one temp dir for the test run, never to ~/.cache."""
     monkeypatch.setenv("NORMLAB_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 

@@ -1,5 +1,5 @@
 """Bad input to the real `normlab train` command: one `normlab: error:` line naming what is wrong and
-what is allowed, exit code 2, no traceback, nothing trained (issue 17, section 4).
+what is allowed, exit code 2, no traceback, nothing trained.
 
 The cases go through `normlab.cli.main`, the function `python -m normlab` calls, in this process
 (test_cli.normlab_here): a subprocess per case cost seconds of start-up each. test_the_real_command_gives_the_same_one_line runs a

@@ -120,7 +120,7 @@ def _worker(rank, port, out, cache):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    cache = str(tmp_path_factory.getbasetemp() / "cache")  # conftest's per-session token cache
+    cache = str(tmp_path_factory.getbasetemp() / "cache")  # conftest's token cache for the test run
     with pytest.MonkeyPatch.context() as env:
         env.setenv("NORMLAB_CACHE", cache)
         warm = tiny_config(max_steps=1)

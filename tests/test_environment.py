@@ -1,4 +1,4 @@
-"""summary.json's `environment`: what a run's numbers depend on besides its config (issue 25), recorded for
+"""summary.json's `environment`: what a run's numbers depend on besides its config, recorded for
 runs that finish, runs that fail, and each member of a pack."""
 
 import json

@@ -1,4 +1,4 @@
-"""normlab's failure paths (issue 17): nothing lost, nothing hung.
+"""normlab's failure paths: nothing lost, nothing hung.
 
 A refused resume, a busy run dir or another config's records change no file of the run dir, Hydra's
 .hydra/ included; a full disk leaves whole records, a summary and one line; a signal during start-up

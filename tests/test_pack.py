@@ -15,7 +15,7 @@ from normlab.nn.packed import PackedAdamW, PackedModel, clip_members
 from normlab.nn.model import GPT
 from normlab.train.run import train
 
-TOLERANCE = 1e-5  # relative, the issue's bound for a member against its unpacked run (fp32, CPU)
+TOLERANCE = 1e-5  # relative, the docs' bound for a member against its unpacked run (fp32, CPU)
 # Telemetry of the weights after Adam's updates (update ratios, norm-parameter and attention statistics) is
 # held to 1e-3: the gradients of some norm parameters are rounding noise (BatchNorm subtracts what they
 # add), and Adam's first updates, g/(|g| + eps), turn that noise into weight changes of full size, so these

@@ -1,5 +1,5 @@
-"""The Python API (normlab.RunConfig, train_run, load_runs, compare) held to what the command line promises
-(issue 37): a finished run dir is left as it was, a config is checked before anything is made, and a damaged
+"""The Python API (normlab.RunConfig, train_run, load_runs, compare) held to what the command line promises:
+a finished run dir is left as it was, a config is checked before anything is made, and a damaged
 record is skipped with a note, not a traceback."""
 
 import json

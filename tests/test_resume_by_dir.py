@@ -1,4 +1,4 @@
-"""Resume by run dir (issue 25): `normlab train resume=<run dir>` and `normlab resume <run dir>` continue a run
+"""Resume by run dir: `normlab train resume=<run dir>` and `normlab resume <run dir>` continue a run
 with the config it was launched with, from the run dir's .hydra/overrides.yaml and config.json; beside them
 only bookkeeping keys may change, and anything else is refused in one line with nothing changed on disk. The
 message of a stopped run names the command that continues it, ready to paste."""

@@ -1,4 +1,4 @@
-"""A run whose run dir is deleted, moved or replaced while it trains (issue 31): it stops at its next step
+"""A run whose run dir is deleted, moved or replaced while it trains: it stops at its next step
 boundary with one line naming the dir, exit code 1, never says it completed, and writes nothing more at
 the dir's path (no dir made again there); a sweep's job whose dir went is that job's failure."""
 

@@ -174,7 +174,7 @@ def test_preempted_job_resumes_after_requeue_and_a_bad_job_fails_alone(cluster, 
     assert rows(job) == rows(tmp_path / "whole")
     assert resumed["final_val_loss"] == uninterrupted["final_val_loss"]
 
-    # A data error is that job's failure, on one line and in its summary.json (issue 17).
+    # A data error is that job's failure, on one line and in its summary.json.
     assert "failed: DataError: data.files: /nonexistent/corpus.txt does not exist" in job_logs(sweep, 1)
     assert summary(sweep / "1_layer-pre-d2-lr3e-3-s0")["status"] == "failed"
     assert "Traceback" not in err

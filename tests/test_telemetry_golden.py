@@ -1,7 +1,7 @@
-"""Every telemetry statistic keeps its value (issue 36, item 3): the live Probe against a frozen copy of it.
+"""Every telemetry statistic keeps its value: the live Probe against a frozen copy of it.
 
-tests/telemetry_reference/ is the Probe as it was before issue 36 changed it (commit 9034483, named in its
-files' headers). Each case below trains a tiny model for 3 steps with telemetry at steps 0 and 2, and measures
+tests/telemetry_reference/ is the Probe as it was at commit 9034483 (named in its files' headers), before its
+statistics were batched. Each case below trains a tiny model for 3 steps with telemetry at steps 0 and 2, and measures
 them twice on the very same forward and backward passes: by the live Probe, driven by the training loop
 as in any run, and by the reference Probe, driven by a callback that makes the calls the Telemetry
 callback made at that commit (watch() around the step's micro-batches, measure_gradients after backward,
@@ -40,7 +40,7 @@ from telemetry_reference.probe import PROBE_SEQS
 from telemetry_reference.probe import Probe as ReferenceProbe
 from test_pack import RATIO_TOLERANCE
 
-# fp32: the issue's bound, relative.
+# fp32: the bound the docs give for a member against its unpacked run, relative.
 TOLERANCE = 1e-5
 # Values at or near 0 are held to an absolute floor instead, on the scale of what the statistic is made of:
 # a mean cosine between tokens (near 0 for near-orthogonal tokens) on a cosine's range, 1; an angle (near 0
@@ -56,7 +56,7 @@ OTHER_FLOOR = 1e-7 / TOLERANCE  # as a multiple of the tolerance, like the scale
 # 2.5 roundings), the floors alike. Today's implementation agrees with the reference exactly there too.
 BF16_TOLERANCE = 1e-2
 
-# The statistics the live Probe logs and the reference does not (issue 36, item 5), and those whose definition
+# The statistics the live Probe logs and the reference does not, and those whose definition
 # changed on purpose, by `family` (grad/norm is the whole block's grad/norm/Lxx, grad/norm/mlp its MLP's): each
 # is compared against its definition computed here, in float64, from the tensors the run's hooks and gradients
 # held (`expected_new`), never against the reference.

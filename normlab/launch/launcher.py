@@ -76,7 +76,7 @@ from normlab.train.ending import drain
 
 log = logging.getLogger(__name__)
 
-# Jobs at once on one GPU. The measurement: the 8-arm model=medium sweep (300 steps) on an H100
+# Jobs at once on one GPU. Measured: the 8-arm model=medium sweep (300 steps) on an H100
 # took 106 s one job at a time and 47 s with 4 at once (joblib); scripts/bench/sweep_throughput.py measures
 # 1, 2, 4 and 8 to settle the default on a given GPU. conf/hydra/launcher/normlab.yaml sets the same.
 JOBS_PER_GPU = 4

@@ -39,7 +39,8 @@ from normlab.telemetry.stats import (
 # time. CUDA has the same cap. With 1 << 24 there (64 MiB in float32) the medium preset's stream and attention
 # statistics were one chunk each, not three and two (124 fewer ops per telemetry step, counted on the CPU:
 # scripts/bench/telemetry_cost.py --ops --ops-stack-elements 16777216), but the H100's eager telemetry overhead then
-# measured 66% (call 4 of docs/benchmarks/gpu-h100.md) against 15% at 1 << 22 (call 2), fresh machines both;
+# measured 66% (docs/benchmarks/h100-2026-11-26-folded-attention.md) against 15% at 1 << 22
+# (docs/benchmarks/h100-2026-11-26-telemetry.md), on two machines;
 # until a GPU run compares the two caps on one machine (scripts/gpu/telemetry_cap.sh), CUDA keeps the one that measured better.
 STACK_ELEMENTS = 1 << 22
 # The attention statistics and the max/median ratio are taken on the step's first PROBE_SEQS sequences,

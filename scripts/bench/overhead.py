@@ -3,7 +3,7 @@
     python scripts/bench/overhead.py [--base COMMIT] [--repeats 3] [--jobs 8] [--cpu-jobs 2] [--steps 100]
                                      [--threads N] [--single | --ablation | --pack21] [OVERRIDE ...]
 
-The two commands of issue 38's item 3, run as real processes (`python -m normlab`, wandb offline as by
+Two commands whose time is mostly start-up, run as real processes (`python -m normlab`, wandb offline as by
 default), alternately with this checkout's normlab and with a `git archive` of `--base` (default: the
 merge base of HEAD and main) extracted to a temporary dir, first on PYTHONPATH:
   single  `normlab train model=tiny max_steps=1 eval_every=1`: its wall time (target <= 3.5 s);
@@ -12,7 +12,7 @@ merge base of HEAD and main) extracted to a temporary dir, first on PYTHONPATH:
           (target <= 40%). A job's training loop is its steps and evaluations: summary.json's phases
           compile + train + eval where it has them, and train_time_s + eval_time_s (the base's measure, also
           printed for this checkout) otherwise.
-With `--ablation` it times instead the shape of issue 38's GPU ablation on the CPU:
+With `--ablation` it times instead the shape of the GPU acceptance's 72-run ablation on the CPU:
   ablation `normlab train -m norm=none,layer,rms,batch placement=pre,post lr=1e-3,3e-3,1e-2 seed=0,1,2 model=tiny
           max_steps=2 pack=true device=cpu hydra.launcher.cpu_jobs=2`: 72 runs in 8 packs, two workers; the seconds
           from the command's start to the first run's first step (its head, where the GPU sat idle), from the last

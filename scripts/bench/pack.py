@@ -14,9 +14,9 @@ weights with batched matmuls).
 2. `kernels`: one training step (forward, backward) of all members, batched by vmap over
    functional_call (normlab's way) and by a hand-written grouped GPT (pre-LN LayerNorm, batched
    matmuls: torch.baddbmm/bmm, members folded into attention's batch), and unbatched (each member's
-   GPT in turn), same shapes, interleaved rounds, median ms per step. The "measure both, and pick" of
-   issue 14.
-3. `attention` (--attention, alone; issue 38): one forward+backward of one pack (normlab.train.pack.build_pack)
+   GPT in turn), same shapes, interleaved rounds, median ms per step: which way of batching members
+   is faster.
+3. `attention` (--attention, alone): one forward+backward of one pack (normlab.train.pack.build_pack)
    with attention under vmap (the path before FoldedAttention: on CUDA torch's math kernel alone), folded with
    the math kernel forced, and folded with torch's choice of kernel (normlab's path): median ms per step over
    interleaved rounds, aten ops dispatched in one step, the attention kernels they include, and the largest
@@ -78,7 +78,7 @@ def sync() -> None:
 
 class GroupedGPT:
     """A pre-LN LayerNorm GPT of M members written with grouped weights (M, in, out) and batched matmuls: the
-    alternative to vmap that issue 14 asks to measure. Same shapes as normlab's model; not used for training."""
+    alternative to vmap that this script measures. Same shapes as normlab's model; not used for training."""
 
     def __init__(self, members: int, cfg, device: torch.device):
         m, d, v, depth = members, cfg.model.d_model, cfg.model.vocab_size or 256, cfg.depth  # null: the byte tokenizer's
@@ -252,7 +252,8 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", action="store_true", help="the issue's GPU grid: model=medium, 7 lrs x 3 seeds, 300 steps")
+    parser.add_argument("--gpu", action="store_true",
+                        help="the GPU acceptance's pack21 grid: model=medium, 7 lrs x 3 seeds, 300 steps")
     parser.add_argument("--model", default=None)
     parser.add_argument("--lrs", default=None, help="comma-separated")
     parser.add_argument("--seeds", default=None, help="comma-separated")

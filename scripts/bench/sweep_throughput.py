@@ -2,7 +2,7 @@
 
     python scripts/bench/sweep_throughput.py [--per-gpu 1,2,4,8] [--mps false,true] [OVERRIDE ...]
 
-Default sweep: issue 13's 8-arm `norm=none,layer,rms,batch placement=pre,post model=medium max_steps=300`
+Default sweep: the GPU acceptance's 8-arm `norm=none,layer,rms,batch placement=pre,post model=medium max_steps=300`
 (on one H100: 106 s one job at a time; the target is <= 20 s). Each setting runs as the real command
 with `hydra.launcher.jobs_per_gpu=K`; the script prints its wall time, the jobs' own time in train()
 (summary.json's wall_time_s) and the overhead around it per job, and checks that every setting's final
@@ -88,7 +88,7 @@ def unfinished(jobs: dict[str, dict], expected: int, what: str) -> str | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="normlab overrides (default: the issue's 8-arm medium sweep)")
+    parser.add_argument("overrides", nargs="*", help="normlab overrides (default: the 8-arm medium sweep)")
     parser.add_argument("--per-gpu", default="1,2,4,8", help="jobs_per_gpu settings to time, comma-separated")
     parser.add_argument("--mps", default="auto", help="hydra.launcher.mps settings to time, comma-separated "
                                                       "(auto, true, false)")

@@ -19,7 +19,8 @@ real training run dispatches, plain and with telemetry, for the medium preset (8
 32 × 128) and GPT-2 small's shape (12 blocks, width 768, 12 heads, at batch 8 × 128 so that the CPU runs it;
 `--ops-shapes` picks them, `--ops-batch`, `--ops-seq` set their size): on a GPU each op is at least one kernel
 launch. `--ops-stack-elements N` counts them with the Probe's stacks capped at N elements (16777216: the cap
-CUDA had in the H100's call 4; normlab.telemetry.sites.STACK_ELEMENTS is every device's now).
+CUDA had in docs/benchmarks/h100-2026-11-26-folded-attention.md; normlab.telemetry.sites.STACK_ELEMENTS is every
+device's now).
 
 `--isolated` and `--ops` run in fresh processes (`--processes` of them for `--isolated`, 2 by default); `--base
 REF` measures them also for the package at git REF (a `git archive` of it, imported instead of this tree's),

@@ -119,7 +119,7 @@ def test_a_quoted_output_is_what_its_command_prints_now(path, number, command, e
 
 
 def test_the_docs_quote_outputs_that_are_checked():
-    assert {p.name for p, *_ in QUOTED} >= {"README.md", "configuration.md", "sweeps.md"}
+    assert {p.name for p, *_ in QUOTED} >= {"README.md", "configuration.md", "sweeps.md", "compare.md"}
 
 
 def test_a_figure_in_prose_names_the_check_that_reruns_it():

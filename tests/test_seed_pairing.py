@@ -1,6 +1,6 @@
 """What compare's paired intervals rely on: under one seed, arms that differ in norm, placement or lr see
 the same training batches and start from the same initial weights; arms of another depth see the same
-batches but other weights (docs/sweeps.md, Comparing runs)."""
+batches but other weights (docs/compare.md, How sure)."""
 
 from dataclasses import replace
 

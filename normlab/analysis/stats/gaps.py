@@ -2,7 +2,7 @@
 
 An arm's gap is its final loss minus the best arm's, each at its own best lr: paired over the seeds both
 ran there (a seed fixes the training batches and, across norms, placements and lrs of one shape, the
-initialization: docs/sweeps.md), Welch's over all their seeds when they share fewer than two, and no
+initialization: docs/compare.md), Welch's over all their seeds when they share fewer than two, and no
 interval when either ran one seed. An arm whose interval holds 0 is within noise of the best.
 """
 

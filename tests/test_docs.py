@@ -5,6 +5,7 @@ tied to what makes it (scripts/check_docs.py): quoted outputs are re-run here, f
 the check or script that re-makes them."""
 
 import importlib
+import os
 import importlib.util
 import re
 import shlex
@@ -68,8 +69,8 @@ def test_readme_is_a_short_page():
 
 def linked_from(path: Path) -> set[Path]:
     """The files `path` links to (outside its code blocks), resolved."""
-    return {(path.parent / target.partition("#")[0]).resolve() for target in LINK.findall("\n".join(outside_code(path)))
-            if not re.match(r"[a-z]+:", target)}
+    targets = LINK.findall("\n".join(outside_code(path)))
+    return {(path.parent / t.partition("#")[0]).resolve() for t in targets if not re.match(r"[a-z]+:", t)}
 
 
 @pytest.mark.parametrize("page", [*GUIDES, RECORDS_INDEX], ids=lambda p: str(p.relative_to(ROOT)))
@@ -151,3 +152,50 @@ def test_python_snippets_read_the_dirs_normlab_writes():
         trained = set(re.findall(r"train_run\([^\n]*?\"([^\"]+)\"\)", snippet))
         for read in re.findall(r"(?:load_runs\(|compare\(\[)\"([^\"]+)\"", snippet):
             assert read.startswith("outputs/") or read in trained, f"a snippet reads {read!r}, where normlab writes nothing"
+
+
+# ---------------------------------------------------------------- a figure that depends on the machine cites its record
+
+RECORDS = CHECK_DOCS.records()
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda p: p.name)
+def test_a_record_states_its_machine_date_commit_and_command(record):
+    assert not CHECK_DOCS.record_problems(record), f"{record.name}: {CHECK_DOCS.record_problems(record)}"
+
+
+def test_a_record_header_that_lacks_a_field_or_its_shape_is_found(tmp_path):
+    record = tmp_path / "cpu-2026-11-26-x.md"
+    record.write_text("# x\n\n- **Machine:** a CPU\n- **Date:** 26 Nov\n- **Commit:** abc1234, against\n  9999999\n\n"
+                      "figures\n")
+    problems = CHECK_DOCS.record_problems(record)
+    assert any(p.startswith("Date:") for p in problems) and "no Command line" in problems, problems
+    assert not any(p.startswith(("Commit", "Machine")) for p in problems), problems
+
+
+@pytest.mark.parametrize("path", [README, *GUIDES], ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_guide_cites_records_and_says_where_each_measured_figure_comes_from(path):
+    for number, target in CHECK_DOCS.citations(path):
+        target = Path(target)
+        assert target.suffix == ".md" and target.exists(), f"{path.name}:{number} cites {target.name}, not a record"
+        assert not CHECK_DOCS.record_problems(target), f"{path.name}:{number}: {target.name}'s header is incomplete"
+    unsourced = CHECK_DOCS.unsourced_claims(path)
+    assert not unsourced, (f"{path.name}: lines {unsourced} say they measured something but carry no check mark, "
+                           "record link or pending mark")
+
+
+def test_a_measured_claim_without_a_source_is_found(tmp_path):
+    record = os.path.relpath(RECORDS[0], tmp_path)
+    guide = tmp_path / "guide.md"
+    guide.write_text(f"Measured on the 2-core CPU: 3 s.\n\nThis one has not been measured yet.\n\n"
+                     f"Measured with `x`: 4 s ([r]({record})).\n\nMeasured here: 5 s ([r](elsewhere.md)).\n")
+    assert CHECK_DOCS.unsourced_claims(guide) == [1, 7]
+
+
+def test_a_pending_figure_names_the_command_that_measures_it():
+    marks = [(path, *mark) for path in [README, *GUIDES] for mark in CHECK_DOCS.pending_marks(path)]
+    for path, number, fid in marks:
+        assert fid in CHECK_DOCS.PENDING, f"{path.name}:{number}: no command for pending figure {fid!r} in PENDING"
+    ids = [fid for *_, fid in marks]
+    assert len(ids) == len(set(ids)), f"a pending figure marked twice: {ids}"
+    assert set(CHECK_DOCS.PENDING) == set(ids), "a PENDING command that no guide marks"

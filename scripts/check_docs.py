@@ -268,12 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
     started, results = time.monotonic(), []
-    if only is None or "sources" in only:
-        results += check_records()
-    for path in DOCS:
-        results += check_path(path, only, args.images)
-    for line in results:
-        print(line)
+    batches = [check_records] if only is None or "sources" in only else []
+    batches += [functools.partial(check_path, path, only, args.images) for path in DOCS]
+    for batch in batches:  # printed as each guide is done: a full run takes minutes
+        for line in batch():
+            results.append(line)
+            print(line, flush=True)
     differ, pending = sum(r.startswith("DIFF") for r in results), sum(r.startswith("PENDING") for r in results)
     print(f"{len(results) - pending} checks, {differ} differ, {pending} figures pending, "
           f"{time.monotonic() - started:.0f} s")

@@ -362,6 +362,10 @@ def test_the_processes_still_holding_a_stopped_sweeps_output_are_named(tmp_path)
     child = subprocess.Popen(["sleep", "30"], stdout=write, start_new_session=True)
     os.close(write)
     try:
+        cmdline = Path(f"/proc/{child.pid}/cmdline")
+        deadline = time.monotonic() + 10
+        while b"sleep" not in cmdline.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the child has forked but not yet exec'd sleep (a loaded machine)
         holders = mps_stage.pipe_holders(read)
         assert [(h["pid"], h["comm"], h["session"], h["cmdline"]) for h in holders] == \
             [(child.pid, "sleep", str(child.pid), "sleep 30 ")]

@@ -418,7 +418,7 @@ def test_a_resumed_run_keeps_the_telemetry_history(tmp_path, text_data):
     run_dir = RunDir(tmp_path / "cut")
     with preempt.watch(), pytest.raises(preempt.Preempted):
         train(cfg(), run_dir, sinks=[MetricsFile(run_dir), SignalAt(2, signal.SIGTERM)])
-    train(cfg(), run_dir)  # resume=auto picks up the checkpoint of step 3
+    train(cfg(), run_dir)  # resume=auto picks up the checkpoint of step 4 (row 2 is written, and signals, in step 3)
     whole = (tmp_path / "whole" / "telemetry" / "layers.csv").read_text().splitlines()
     resumed = (tmp_path / "cut" / "telemetry" / "layers.csv").read_text().splitlines()
     assert [line.split(",")[:2] for line in resumed] == [line.split(",")[:2] for line in whole]

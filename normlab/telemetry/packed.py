@@ -105,4 +105,4 @@ class PackedProbe(Probe):
 
     def collect(self) -> list[dict[str, float]]:
         """Finish the step: the statistics of each member, as Probe.collect returns them for one model."""
-        return self._collect_members()
+        return self.stage().read()

@@ -2,8 +2,8 @@
 
 On a telemetry step the training loop runs its micro-batches through `probe.forward` in place of the
 model, then calls `measure_gradients` (accumulated, un-scaled gradient, before clipping), `before_update`
-(just before the optimizer step) and `collect` (after it); the Telemetry callback
-(normlab.train.callbacks) makes those calls. On any other step the model runs as it would without the
+(just before the optimizer step) and `stage` (after it), whose result is read when the step's row is written
+(`collect` does both at once); the Telemetry callback (normlab.train.callbacks) makes those calls. On any other step the model runs as it would without the
 Probe: no tap, nothing computed. The Probe measures and returns records; it keeps no history and draws
 nothing (the end-of-run table and heatmaps are made from the records).
 
@@ -12,7 +12,8 @@ statistics of every site for all blocks at once (telemetry.sites): stacked tenso
 two flat vectors per micro-batch. The residual stream's gradient is measured in backward by an identity
 (sites.Collect) whose second input collects its sum of squares. Parameter norms are fused too
 (torch._foreach_norm). Each micro-batch adds to the step's sums, so a statistic is over the whole step's
-batch whatever grad_accum is; `collect` moves everything to the host in one transfer. Under compile=true the
+batch whatever grad_accum is; `stage` sends everything to the host in one copy that does not block it
+(telemetry.readback), and the Pending it returns names the values once they have landed. Under compile=true the
 forward and its statistics are one compiled function (dynamic=False), a graph beside the plain step's,
 compiled at the first telemetry step and reused by every later one; the backward's measurements are part of
 its compiled backward.
@@ -41,6 +42,8 @@ Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -55,6 +58,7 @@ from normlab.telemetry.norms import (
     norm_parameter_stats,
 )
 from normlab.telemetry.params import group_figures, group_stats, param_groups
+from normlab.telemetry.readback import Readback
 from normlab.telemetry.sites import PROBE_SEQS, Entry, Plan, Recorder, read_entries
 from normlab.telemetry.stats import l2_norms
 
@@ -191,22 +195,29 @@ class Probe:
         return torch.stack([getattr(module, attr) for module, attr in self._norm_sources[group]]).unsqueeze(1)
 
     def collect(self) -> dict[str, float]:
-        """Finish the step and return every statistic as {key: float}.
+        """Finish the step and return every statistic as {key: float}, at once: `stage()` and its `read()`.
 
-        Call after the optimizer step: the update ratio ‖ΔW‖/‖W‖ is over the step just taken.
-        All device values reach the host in one transfer.
-        """
-        return self._collect_members()[0]
+        Call after the optimizer step: the update ratio ‖ΔW‖/‖W‖ is over the step just taken."""
+        return self.stage().read()[0]
 
     @torch.no_grad()
-    def _collect_members(self) -> list[dict[str, float]]:
-        """Finish the step: each member's statistics."""
+    def stage(self) -> Pending:
+        """Finish the step on the device and send its statistics to the host without waiting for them: one
+        vector, copied without blocking (telemetry.readback); the Probe is ready for its next step at once.
+        `read()` on the result gives each member's statistics once the copy has landed. Call after the
+        optimizer step: the update ratio ‖ΔW‖/‖W‖ is over the step just taken."""
         if self._before is not None:  # the snapshot becomes the update, in place: no second copy of every weight
             torch._foreach_sub_(self._before, self._weights())
         deltas = None if self._before is None else self._norms_of(self._before)
-        stats = [self._combine(host) for host in self._to_host(self._device_parts(deltas))]
+        parts = self._device_parts(deltas)
+        layout = StepLayout(
+            parts=tuple((name, part.numel() // self.members) for name, part in parts.items()),
+            entries=self._entries, counts=tuple(map(tuple, self._counts)), stream_elements=self._stream_elements,
+            norm_keys=tuple(key for keys, _ in self._norm_values for key in keys))
+        values = torch.cat([part.reshape(self.members, -1) for part in parts.values()], 1) if parts else None
+        pending = Pending(None if values is None else Readback(values.reshape(-1)), layout, self.members, self._combine)
         self._reset()
-        return stats
+        return pending
 
     def _collected(self) -> torch.Tensor | None:
         """The stream's gradient sums of squares, one per grad key, or None without a backward."""
@@ -215,31 +226,17 @@ class Probe:
 
     def _device_parts(self, deltas: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The step's device values by part name, each (members, n) or (n,) for one member, in the order that
-        `_to_host` transfers them and `_combine` reads them back; `deltas` are the parameters' update norms."""
+        `stage` transfers them and `_combine` reads them back; `deltas` are the parameters' update norms."""
         parts = {"sums": self._sums, "maxima": self._maxima, "collected": self._collected(), "grad": self._grad_norms,
                  "weight": self._weight_norms, "delta": deltas, "scale": self._scale}
         if self._norm_values:
             parts["norm"] = torch.cat([values for _, values in self._norm_values]).T
         return {name: part for name, part in parts.items() if part is not None}
 
-    def _to_host(self, parts: dict[str, torch.Tensor]) -> list[dict[str, list[float]]]:
-        """`parts` on the host, one dict per member: the one host transfer."""
-        if not parts:
-            return [{} for _ in range(self.members)]
-        table = torch.cat([part.reshape(self.members, -1) for part in parts.values()], 1).tolist()
-        out = []
-        for row in table:
-            host, offset = {}, 0
-            for name, part in parts.items():
-                size = part.numel() // self.members
-                host[name], offset = row[offset : offset + size], offset + size
-            out.append(host)
-        return out
-
-    def _combine(self, host: dict[str, list[float]]) -> dict[str, float]:
+    def _combine(self, host: dict[str, list[float]], layout: StepLayout) -> dict[str, float]:
         """Host-side arithmetic on one member's transferred values."""
         stats: dict[str, float] = {}
-        for group, (entries, counts) in zip(("sums", "maxima"), zip(self._entries, self._counts)):
+        for group, (entries, counts) in zip(("sums", "maxima"), zip(layout.entries, layout.counts)):
             if group in host:
                 stats.update(read_entries(entries, counts, host[group]))
         if "collected" in host:
@@ -247,10 +244,43 @@ class Probe:
             # scaled by 1/grad_accum: exactly its slice of the full-batch gradient, so this is the batch's RMS.
             scale = host["scale"][0] if "scale" in host else 1.0
             for key, total in zip(self._grad_keys, host["collected"]):
-                stats[key] = math.sqrt(total / self._stream_elements) / scale
+                stats[key] = math.sqrt(total / layout.stream_elements) / scale
         if "norm" in host:
-            keys = [key for keys, _ in self._norm_values for key in keys]
-            stats.update(zip(keys, host["norm"]))
+            stats.update(zip(layout.norm_keys, host["norm"]))
         stats.update(eps_ratios(stats, self._eps_floors))
         stats.update(group_stats(self._figures, host.get("grad", []), host.get("weight", []), host.get("delta", [])))
         return dict(sorted(stats.items()))
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What the host needs besides the values to name a telemetry step's statistics: the transferred parts (name,
+    values per member, in order), the forward's entries and their counts over the step, the stream's elements
+    per member, and the keys of the norms' parameter statistics."""
+
+    parts: tuple[tuple[str, int], ...]
+    entries: tuple[tuple[Entry, ...], ...]
+    counts: tuple[tuple[int, ...], ...]
+    stream_elements: int
+    norm_keys: tuple[str, ...]
+
+
+class Pending:
+    """A telemetry step's statistics between `Probe.stage` and its record: their Readback, and how to name them."""
+
+    def __init__(self, readback: Readback | None, layout: StepLayout, members: int,
+                 combine: Callable[[dict[str, list[float]], StepLayout], dict[str, float]]):
+        self.readback, self.layout, self.members, self._combine = readback, layout, members, combine
+
+    def read(self) -> list[dict[str, float]]:
+        """Each member's statistics as {key: float}, once the copy has landed (waiting for it, if it has not)."""
+        if self.readback is None:
+            return [{} for _ in range(self.members)]
+        values, out = self.readback.values(), []
+        width = len(values) // self.members
+        for row in range(self.members):
+            host, offset = {}, row * width
+            for name, size in self.layout.parts:
+                host[name], offset = values[offset : offset + size], offset + size
+            out.append(self._combine(host, self.layout))
+        return out

@@ -10,7 +10,8 @@ Speed: with `compile=true` the training steps run a torch.compile'd module (tele
 Probe's forward, compiled too), while evaluation runs the eager one;
 `compile_mode=reduce-overhead` also captures the compiled steps in CUDA graphs (runtime.compile_model). The
 host reads device values (`.item()`) on logged steps only, and each batch is drawn, pinned and copied
-(non-blocking) while the previous step may still run on the device.
+(non-blocking) while the previous step may still run on the device. A telemetry step's statistics are copied to
+the host without blocking it too, and its row is written during the next step (normlab.train.rows).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from normlab.config import RunConfig
 from normlab.data import Corpus, bits_per_byte, eval_batches, sample_batch, target_bytes
 from normlab.train.callbacks import Callback, Diverged
 from normlab.train.optim import lr_at
+from normlab.train.rows import Rows
 from normlab.train.runtime import autocast, hold_gradients
 from normlab.train.sinks import Sink
 from normlab.train.state import TrainState
@@ -154,13 +156,15 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
     `models`: the eager model (DDP-wrapped under torchrun) and the one to run on steps no callback
     watches (compiled under compile=true). Record `step` s holds what was measured at the weights after
     s updates: the training loss and gradient of batch s, and val_loss when evaluated; the last record
-    (step max_steps) holds the final evaluation alone.
+    (step max_steps) holds the final evaluation alone. Records go to the sinks through `state.rows`
+    (normlab.train.rows): a telemetry step's row once its statistics have reached the host, during the next step.
     """
     eager, fast = models
     device = next(state.model.parameters()).device
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     keep_grads = hold_gradients(cfg, state.model, device)  # zeroed, not freed, after each step
     state.model.train()
+    rows = state.rows = Rows(sinks)
     first, started, aside = state.step, time.perf_counter(), state.phases.total(SET_ASIDE)
     try:
         for step in range(state.step, cfg.max_steps + 1):
@@ -171,7 +175,7 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
                 record["val_loss"] = _evaluate_into(state, held_out.batches, precision)
                 record["val_bpb"] = held_out.bits_per_byte(record["val_loss"])
             if step == cfg.max_steps:
-                emit(sinks, record)
+                rows.write(record)
                 break
 
             state.lr, state.watched, state.forward = lr_at(step, cfg), False, None
@@ -182,14 +186,9 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
             model, terms = (eager if state.watched else fast), {}
             state.loss = distributed.mean(accumulate_gradients(model, x, y, cfg.grad_accum, state.scaler, device, precision,
                                                                cfg.z_loss, terms, state.forward))
-            state.scaler.unscale_(state.optimizer)
-            _call(callbacks, "after_backward", state)
-            state.grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm)
-            _call(callbacks, "before_optimizer_step", state)
-            state.scaler.step(state.optimizer)
-            state.scaler.update()
-            state.optimizer.zero_grad(set_to_none=not keep_grads)
+            _update(state, callbacks, max_norm, keep_grads)
             state.step, state.tokens = step + 1, state.tokens + cfg.batch_size * cfg.seq_len
+            rows.flush()  # a telemetry step's row before this one: read while the device runs this step's work
 
             logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record or state.watched
             if logged:  # the step's host syncs; other steps keep their figures on the device
@@ -197,14 +196,31 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
                 record.update({key: distributed.mean(term).item() for key, term in terms.items()})
             _call(callbacks, "after_optimizer_step", state, record if logged else None)
             if logged:
-                emit(sinks, record)
+                rows.write(record)
             _call(callbacks, "on_step_end", state, record if logged else None)
     except Diverged as stop:
+        rows.close()  # the rows so far, complete, before the run says how it stopped
         return stop.step
     except BaseException:
+        rows.close()
         _call(callbacks, "on_train_stop", state)  # a signal's stop or an error: the progress bar closes before its line
         raise
+    finally:
+        state.rows = None
     return None
+
+
+def _update(state: TrainState, callbacks: Sequence[Callback], max_norm: float, keep_grads: bool) -> None:
+    """The step's update from its accumulated gradient: un-scaled (fp16), clipped to `max_norm` (the norm before
+    clipping kept as state.grad_norm), the optimizer's step, and the gradients zeroed (kept allocated with
+    `keep_grads`), with the callbacks' hooks on the way."""
+    state.scaler.unscale_(state.optimizer)
+    _call(callbacks, "after_backward", state)
+    state.grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), max_norm)
+    _call(callbacks, "before_optimizer_step", state)
+    state.scaler.step(state.optimizer)
+    state.scaler.update()
+    state.optimizer.zero_grad(set_to_none=not keep_grads)
 
 
 def _evaluate_into(state: TrainState, val_batches, precision: str) -> float:

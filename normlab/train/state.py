@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from normlab.train.phases import Phases
+from normlab.train.rows import Rows
 
 # The loop's counters, saved and restored with the state: so the summary of a resumed run equals an
 # uninterrupted one's.
@@ -47,6 +48,9 @@ class TrainState:
     # unless `forward` is set: a callback's forward (telemetry's probe) that runs the micro-batches instead
     forward: Callable[[torch.Tensor], torch.Tensor] | None = None
     phases: Phases = field(default_factory=Phases)  # this process's seconds by phase (summary.json's phases)
+    # The logged rows on their way to the sinks while the steps run (normlab.train.rows): a callback whose figures
+    # reach the host later (telemetry's) completes its record through it. None outside the loop.
+    rows: Rows | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {

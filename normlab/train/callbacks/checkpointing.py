@@ -31,6 +31,8 @@ class Checkpointing(Callback):
         self.checkpointer, self.callbacks, self.max_steps = checkpointer, callbacks, max_steps
 
     def _save(self, state: TrainState) -> None:
+        if state.rows is not None:  # every row before the checkpoint's step on disk first (a telemetry step's waits)
+            state.rows.flush()
         with state.phases.time("checkpoint"):
             self.checkpointer.save(state, self.callbacks)
 

@@ -25,8 +25,16 @@ class TelemetryProducts(Callback):
         self.later = later
         self.records: list[dict[str, Any]] = []
 
-    def on_step_end(self, state: TrainState, record: dict[str, Any] | None) -> None:
-        per_layer = {k: v for k, v in (record or {}).items() if keys.parse(k) is not None}
+    def on_step_end(self, state: TrainState | None, record: dict[str, Any] | None) -> None:
+        if record is None:
+            return
+        if state is not None and state.rows is not None:
+            state.rows.written(record, self._keep)  # a telemetry step's statistics join its record when it is written
+        else:
+            self._keep(record)
+
+    def _keep(self, record: dict[str, Any]) -> None:
+        per_layer = {k: v for k, v in record.items() if keys.parse(k) is not None}
         if per_layer:
             self.records.append({"step": record["step"], **per_layer})
 

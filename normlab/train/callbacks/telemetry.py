@@ -6,15 +6,16 @@ import logging
 from typing import Any
 
 from normlab.train.callbacks.base import Callback
-from normlab.telemetry.probe import Probe
+from normlab.telemetry.probe import Pending, Probe
 from normlab.telemetry.norms import EpsWarnings
 from normlab.train.state import TrainState
 
 
 class Telemetry(Callback):
     """Runs the Probe on its steps: the step's micro-batches through the Probe's forward (the model with a
-    tap; compiled under compile=true), gradient and weight statistics, and the step's statistics added to
-    its record (one host transfer). Telemetry steps are watched, so always logged. A norm slot found
+    tap; compiled under compile=true), gradient and weight statistics, and the step's statistics sent to the host
+    without blocking it (one copy). They join the step's record when its row is written (state.rows, during the
+    next step: normlab.train.rows). Telemetry steps are watched, so always logged. A norm slot found
     eps-dominated is named in one warning line of the run's log, once per run."""
 
     name = "telemetry"
@@ -39,10 +40,24 @@ class Telemetry(Callback):
             self.probe.before_update()
 
     def after_optimizer_step(self, state: TrainState, record: dict[str, Any] | None) -> None:
-        if self._active:
-            stats = self.probe.collect()  # telemetry's one host transfer
-            warning = self._eps_warnings.line(stats, state.step)
-            if warning:
-                logging.getLogger("normlab").warning(warning)
-            if record is not None:
-                record.update(stats)
+        if not self._active:
+            return
+        pending, step = self.probe.stage(), state.step - 1  # on its way to the host; the Probe is free again
+        if record is None:  # a telemetry step is always logged: only a caller outside the loop gets here
+            return
+
+        def read() -> dict[str, float]:
+            return self._read(pending, step)
+
+        if state.rows is not None:
+            state.rows.later(record, read)
+        else:
+            record.update(read())
+
+    def _read(self, pending: Pending, step: int) -> dict[str, float]:
+        """The statistics of telemetry step `step`, and the warning about its eps-dominated norms."""
+        stats = pending.read()[0]
+        warning = self._eps_warnings.line(stats, step)
+        if warning:
+            logging.getLogger("normlab").warning(warning)
+        return stats

@@ -159,7 +159,7 @@ class PackLoop:
             self.clock.on_step_start(clock_state)
             watched = self.probe.active(step)
             loss, grad_norm, terms = self._train_step(step, next_batches, watched)
-            stats = self.probe.collect() if watched else None
+            stats = self.probe.collect() if watched else None  # this step's wait for the device, as _fill's losses
             if stats is not None:
                 self._warn_eps(step, stats)
             logged = step % base.log_every == 0 or step == base.max_steps - 1 or evaluated or watched

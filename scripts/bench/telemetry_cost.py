@@ -10,12 +10,15 @@ interleaved, round after round, and every figure is a median over all windows of
 none of them).
 
 `--isolated N` times the Probe alone, which a loaded machine cannot hide: a real training run of the same model
-(`--model`, a preset: the default model unless told) and batch with telemetry every 2 steps, each step timed by process CPU time (from the end of the step before);
-printed are the minimum plain and telemetry step and the median over N pairs of (telemetry step − the plain
-step before it), i.e. what one telemetry step adds.
+(`--model`, a preset: the default model unless told) and batch with telemetry every 3 steps, each step timed by
+process CPU time (from the end of the step before). A telemetry step's row may be read and written during the
+step after it (normlab.train.rows), so what one telemetry step adds is taken over it and the step after it: the
+median over N triples of (telemetry step + the step after it − 2 × the plain step before it); printed beside it,
+the minimum plain step and the minimum of (telemetry step + the step after it − the plain step).
 
 `--ops` counts the aten ops (a TorchDispatchMode: independent of the machine and its load) that one step of a
-real training run dispatches, plain and with telemetry, for the medium preset (8 blocks, width 256, batch
+real training run dispatches, plain and with telemetry (the telemetry step with the step after it, less a plain
+step, as for `--isolated`), for the medium preset (8 blocks, width 256, batch
 32 × 128) and GPT-2 small's shape (12 blocks, width 768, 12 heads, at batch 8 × 128 so that the CPU runs it;
 `--ops-shapes` picks them, `--ops-batch`, `--ops-seq` set their size): on a GPU each op is at least one kernel
 launch. `--ops-stack-elements N` counts them with the Probe's stacks capped at N elements (16777216: the cap
@@ -134,8 +137,8 @@ class StepMeter(Callback):
 
 
 def metered_run(overrides: list[str], steps: int, ops: bool) -> dict:
-    """A training run of `steps` steps with telemetry every 2 (steps 0, 2, 4, ...), each step measured."""
-    cfg = step_speed.compose([*overrides, "telemetry.every=2", f"max_steps={steps}", "log_every=1", "eval_every=0",
+    """A training run of `steps` steps with telemetry every 3 (steps 0, 3, 6, ...), each step measured."""
+    cfg = step_speed.compose([*overrides, "telemetry.every=3", f"max_steps={steps}", "log_every=1", "eval_every=0",
                          "eval_batches=1", "progress=false", "wandb.mode=disabled", "ckpt.every=0"])
     meter = StepMeter(ops)
     with tempfile.TemporaryDirectory() as run_dir:
@@ -152,8 +155,9 @@ def measure(args) -> dict:
     out: dict = {"normlab": str(Path(normlab.__file__).parents[1]), "conf": normlab.conf.__file__}
     if args.isolated:
         times = metered_run([f"model={args.model}", *device, f"batch_size={args.batch}", f"seq_len={args.seq}"],
-                            2 * args.isolated + 3, False)
-        out["isolated"] = [(times[2 * k + 1], times[2 * k + 2]) for k in range(1, args.isolated + 1)]
+                            3 * args.isolated + 4, False)
+        # (the plain step before a telemetry step, the telemetry step, the step after it)
+        out["isolated"] = [(times[3 * k - 1], times[3 * k], times[3 * k + 1]) for k in range(1, args.isolated + 1)]
     if args.ops:
         if args.ops_stack_elements:  # another cap, on the CPU
             import normlab.telemetry.sites
@@ -162,8 +166,8 @@ def measure(args) -> dict:
         out["ops"] = {}
         for shape in args.ops_shapes.split(","):
             overrides, (batch, seq) = OPS_SHAPES[shape][1], ops_size(shape, args)
-            counts = metered_run([*overrides, *device, f"batch_size={batch}", f"seq_len={seq}"], 3, True)
-            out["ops"][shape] = {"plain": counts[1], "telemetry": counts[2]}  # step 1 plain, step 2 telemetry
+            counts = metered_run([*overrides, *device, f"batch_size={batch}", f"seq_len={seq}"], 6, True)
+            out["ops"][shape] = {"plain": counts[2], "telemetry": counts[3], "after": counts[4]}
     return out
 
 
@@ -211,22 +215,29 @@ def print_ops(results: dict[str, dict], args) -> None:
               + (f", the Probe's stacks capped at {args.ops_stack_elements} elements:" if args.ops_stack_elements else ":"))
         print(f"{'package':<28}{'plain':>8}{'telemetry':>11}{'added':>8}{'added/plain':>13}")
         for name, result in results.items():
-            counts = result["ops"][shape]
-            plain, watched = sum(counts["plain"].values()), sum(counts["telemetry"].values())
-            print(f"{name:<28}{plain:>8}{watched:>11}{watched - plain:>8}{(watched - plain) / plain:>12.3f}x")
-        counts = results["this tree"]["ops"][shape]
-        added = collections.Counter(counts["telemetry"]) - collections.Counter(counts["plain"])
-        print("  this tree's added ops by kind: " + ", ".join(f"{op} {n}" for op, n in added.most_common(12)))
+            plain, added = added_ops(result["ops"][shape])
+            total = sum(plain.values())
+            print(f"{name:<28}{total:>8}{total + sum(added.values()):>11}{sum(added.values()):>8}"
+                  f"{sum(added.values()) / total:>12.3f}x")
+        _, added = added_ops(results["this tree"]["ops"][shape])
+        kinds = sorted((item for item in added.items() if item[1] > 0), key=lambda item: -item[1])[:12]
+        print("  this tree's added ops by kind: " + ", ".join(f"{op} {n}" for op, n in kinds))
+
+
+def added_ops(counts: dict[str, dict[str, int]]) -> tuple[dict[str, int], dict[str, int]]:
+    """A plain step's ops by kind, and those a telemetry step adds: it and the step after it, less two plain steps."""
+    plain, kinds = counts["plain"], {*counts["plain"], *counts["telemetry"], *counts["after"]}
+    return plain, {op: counts["telemetry"].get(op, 0) + counts["after"].get(op, 0) - 2 * plain.get(op, 0) for op in kinds}
 
 
 def print_isolated(rounds: dict[str, list[dict]], args) -> None:
-    print(f"\nprobe alone, {args.isolated} interleaved pairs per process, process CPU time, model={args.model}, batch "
+    print(f"\nprobe alone, {args.isolated} triples per process, process CPU time, model={args.model}, batch "
           f"{args.batch} x seq {args.seq}, torch threads {args.threads or torch.get_num_threads()}:")
     for name, results in rounds.items():
         for i, result in enumerate(results):
-            plain = [p for p, _ in result["isolated"]]
-            watched = [w for _, w in result["isolated"]]
-            added = statistics.median(w - p for p, w in result["isolated"])
+            plain = [p for p, _, _ in result["isolated"]]
+            watched = [t + a - p for p, t, a in result["isolated"]]
+            added = statistics.median(t + a - 2 * p for p, t, a in result["isolated"])
             print(f"{name:<28} process {i + 1}: step min {1e3 * min(plain):.1f} ms, watched step min "
                   f"{1e3 * min(watched):.1f} ms, added per telemetry step (median) {1e3 * added:.1f} ms "
                   f"= {100 * added / min(plain):+.1f}% of a step")

@@ -6,17 +6,21 @@ bound by the host (dispatching ops, Python), not by the device's arithmetic.
 
 A real normlab run (`normlab.train.run.train`) of the medium preset's structure (8 blocks, 8 heads, its norms and
 MLP) at a width (`--width`) and batch (`--batch` × `--seq`) where the arithmetic is negligible, so that every op
-costs what its dispatch costs, on the CPU in bf16 (autocast, as on a GPU; `--precision`), eager or compiled (`--compile`), with one torch thread, every step logged and telemetry every 2
-steps: each telemetry step follows a plain logged step, and the figures are medians over `--pairs` pairs of
-(telemetry step − the plain step before it), wall clock (the critical path; a writer thread's work off it does
-not count) and this process's CPU time. The sinks are `--sinks` (the config's default: jsonl and wandb, offline).
-The added time is cut at the loop's hooks into:
+costs what its dispatch costs, on the CPU in bf16 (autocast, as on a GPU; `--precision`), eager or compiled (`--compile`), with one torch thread, every step logged and telemetry every 3
+steps. A telemetry step's row may be completed and written during the step after it (normlab.train.rows), so
+what telemetry adds is taken over the telemetry step and the step after it, against two plain steps: per triple
+(the plain step before a telemetry step, the telemetry step, the step after it), (telemetry + after − 2 × plain).
+The figures are medians over `--pairs` such triples, wall clock (the critical path; a writer thread's work off it
+does not count) and this process's CPU time. The sinks are `--sinks` (the config's default: jsonl and wandb,
+offline). The added time is cut at the loop's hooks into:
 
-    (a) statistics   the step up to the Telemetry callback's after_optimizer_step (the tapped forward and
+    (a) statistics   the steps' work up to the Telemetry callback's after_optimizer_step (the tapped forward and
                      its statistics, the gradient collectors, the gradient, weight and norm statistics)
-    (b) row          Telemetry.after_optimizer_step: the update norms, the one host transfer, and the Python
-                     that turns the transferred values into the row of named floats
-    (c) sinks        the loop's `emit` (the sinks' log of the row) and the callbacks after it (on_step_end)
+    (b) row          Telemetry.after_optimizer_step (the update norms, the one copy to the host) and the
+                     Python that turns the transferred values into the row of named floats, wherever it runs
+                     (then, or where the row is read: Telemetry._read)
+    (c) sinks        writing rows to the sinks (the loop's `emit`, or Rows' `write` and `flush` less the reads)
+                     and the callbacks after it (on_step_end)
     other            the rest (the other callbacks' after_optimizer_step)
 
 On a GPU (`--device cuda`, e.g. `--width 256 --batch 32 --seq 128`: the medium preset itself) the same split is
@@ -55,13 +59,28 @@ class Marks:
         self.events: list[tuple[str, float, float, int]] = []
         self.ops = ops
         self.counted = 0
+        self.current = "statistics"
 
     def mark(self, label: str) -> None:
         self.events.append((label, time.perf_counter(), time.process_time(), self.counted))
+        self.current = label
+
+    def around(self, label: str, fn):
+        """`fn` with its time counted as `label`, the phase it interrupts going on after it."""
+
+        def timed(*args, **kwargs):
+            before = self.current
+            self.mark(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.mark(before)
+
+        return timed
 
 
 def instrument(marks: Marks):
-    """Wrap the hooks the phases are cut at, in this process (any version of normlab has them)."""
+    """Wrap the hooks the phases are cut at, in this process (the loop's `emit`, or its Rows where it has them)."""
     import normlab.train.loop as loop
     from normlab.train.callbacks import Telemetry
 
@@ -77,6 +96,12 @@ def instrument(marks: Marks):
         emit(sinks, record)
 
     Telemetry.after_optimizer_step, loop.emit = timed_collect, timed_emit
+    try:
+        from normlab.train.rows import Rows
+    except ImportError:  # a package whose rows go straight to the sinks
+        return
+    Rows.write, Rows.flush = marks.around("sinks", Rows.write), marks.around("sinks", Rows.flush)
+    Telemetry._read = marks.around("row", Telemetry._read)
 
 
 def meter(marks: Marks):
@@ -137,10 +162,10 @@ def measure(args) -> dict:
 
     marks = Marks(args.ops)
     instrument(marks)
-    steps = 2 * args.pairs + 3
+    steps = 3 * args.pairs + 4
     cfg = step_speed.compose(["model=medium", f"model.d_model={args.width}", f"batch_size={args.batch}", f"seq_len={args.seq}",
                          f"device={args.device}", f"precision={args.precision}",
-                         f"compile={str(args.compile).lower()}", "telemetry.every=2", f"max_steps={steps}", "log_every=1",
+                         f"compile={str(args.compile).lower()}", "telemetry.every=3", f"max_steps={steps}", "log_every=1",
                          "eval_every=0", "eval_batches=1", "progress=false", "ckpt.every=0", "wandb.mode=offline",
                          f"sinks=[{args.sinks}]"])
     with tempfile.TemporaryDirectory() as run_dir:
@@ -148,10 +173,15 @@ def measure(args) -> dict:
         with open(Path(run_dir) / "metrics.jsonl") as lines:
             keys = len(json.loads(lines.readline()))  # step 0's row: a telemetry step's
     per_step = phases_of(marks.events)
-    pairs = [(per_step[2 * k + 1], per_step[2 * k + 2]) for k in range(1, args.pairs + 1)]  # (plain, telemetry)
-    added = {phase: [[t.get(phase, (0, 0, 0))[i] - p.get(phase, (0, 0, 0))[i] for p, t in pairs] for i in range(3)]
-             for phase in PHASES}
-    plain = [sum(v[0] for v in p.values()) for p, _ in pairs]
+    # (plain step before, telemetry step, the step after it): telemetry at 0, 3, 6, ...
+    triples = [(per_step[3 * k - 1], per_step[3 * k], per_step[3 * k + 1]) for k in range(1, args.pairs + 1)]
+
+    def added_in(phase: str, i: int) -> list[float]:
+        return [t.get(phase, (0, 0, 0))[i] + a.get(phase, (0, 0, 0))[i] - 2 * p.get(phase, (0, 0, 0))[i]
+                for p, t, a in triples]
+
+    added = {phase: [added_in(phase, i) for i in range(3)] for phase in PHASES}
+    plain = [sum(v[0] for v in p.values()) for p, _, _ in triples]
     return {"normlab": str(Path(normlab.__file__).parents[1]), "added": added, "plain_wall": plain, "row_keys": keys}
 
 
@@ -178,10 +208,10 @@ def measured_in(tree: str, args) -> dict:
 
 
 def report(results: dict[str, list[dict]], args) -> None:
-    print(f"host time a telemetry step adds over the plain logged step before it, medium preset's structure (8 blocks, "
+    print(f"host time a telemetry step adds (with the step after it, against two plain logged steps), medium preset's structure (8 blocks, "
           f"8 heads) at width {args.width}, batch {args.batch} x seq {args.seq}, {args.device} {args.precision}, "
           f"{'compiled' if args.compile else 'eager'}, 1 torch thread, sinks "
-          f"{args.sinks}; medians over {args.pairs} pairs per process, ms (wall / process CPU"
+          f"{args.sinks}; medians over {args.pairs} triples per process, ms (wall / process CPU"
           f"{' / aten ops' if args.ops else ''})")
     print(f"{'package':<26}{'proc':>5}{'plain step':>12}" + "".join(f"{p:>20}" for p in (*PHASES, "total")))
     for name, runs in results.items():
@@ -202,7 +232,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=16, help="model.d_model (8 heads: a multiple of 8)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq", type=int, default=16, help="tokens per sequence")
-    parser.add_argument("--pairs", type=int, default=40, help="pairs of a plain and a telemetry step measured")
+    parser.add_argument("--pairs", type=int, default=40, help="telemetry steps measured (each with a plain step before and the step after it)")
     parser.add_argument("--sinks", default="jsonl,wandb", help="the run's sinks (comma-separated)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="bf16: autocast, as on a GPU")
     parser.add_argument("--compile", action="store_true", help="compile=true")

@@ -4,11 +4,12 @@ CPU time, and the ops that take the most of them.
     python scripts/bench/telemetry_profile.py [--shape medium] [--compile] [--precision bf16] [--out DIR] [--cpu]
 
 A real normlab run of step_speed_gpu.py's shape (`medium`: the medium preset; `gpt2`: GPT-2 small's shape; `tiny`) with
-telemetry every 10 steps and the step's figures read every step; steps 9 (plain) and 10 (telemetry) are
-profiled, each from its start to its end, the device synchronized at both. Printed, and with --out written to
+telemetry every 10 steps and the step's figures read every step; steps 9 (plain), 10 (telemetry) and 11 (the step
+that reads and writes the telemetry step's row: normlab.train.rows) are profiled, each from its start to its end,
+the device synchronized at both. Printed, and with --out written to
 DIR/telemetry-profile-<shape>-<eager|compile>.txt: per step the CUDA kernels launched, the aten ops dispatched
 (nested ones counted), the kernels' total time, the CPU time the profiler saw (self time summed) and the step's
-wall time; then the telemetry step's table by self device time, and on CUDA a second by self CPU time (the host's
+wall time, and the telemetry step's figures with what the step after it adds (step 10 + step 11 − step 9); then the telemetry step's table by self device time, and on CUDA a second by self CPU time (the host's
 time: aten ops and CUDA's runtime calls, launches, allocations and synchronizations); on the CPU (`--cpu` or without
 CUDA, where it runs fp32) one table by self CPU time. Last, what the telemetry step runs more than the plain step,
 event by event (calls, self CPU and device time added), most calls first.
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 
 from normlab.train.callbacks import Callback  # noqa: E402
 
-PLAIN, TELEMETRY = 9, 10  # with telemetry every 10 steps
+PLAIN, TELEMETRY, AFTER = 9, 10, 11  # with telemetry every 10 steps
 
 
 class StepProfiler(Callback):
@@ -96,18 +97,23 @@ def profile_telemetry_step(shape: str, compiled: bool, precision: str, device: t
 
     overrides = [*step_speed_gpu.SHAPES[shape], f"device={device.type}",
                  f"precision={precision}", f"compile={str(compiled).lower()}", "telemetry.every=10", "log_every=1",
-                 f"max_steps={TELEMETRY + 2}", "eval_every=0", "eval_batches=1", "progress=false", "ckpt.every=0",
+                 f"max_steps={AFTER + 2}", "eval_every=0", "eval_batches=1", "progress=false", "ckpt.every=0",
                  "wandb.mode=disabled"]
     cfg = step_speed.compose(overrides)
     torch._dynamo.reset()
-    profiler = StepProfiler((PLAIN, TELEMETRY), device)
+    profiler = StepProfiler((PLAIN, TELEMETRY, AFTER), device)
     with tempfile.TemporaryDirectory() as run_dir:
         train(cfg, run_dir, sinks=[], callbacks=[profiler])
-    figures = {name: step_figures(*profiler.profiles[step]) for name, step in (("plain", PLAIN), ("telemetry", TELEMETRY))}
+    steps = {name: step_figures(*profiler.profiles[step]) for name, step in
+             (("plain", PLAIN), ("telemetry step", TELEMETRY), ("after it", AFTER))}
+    # What telemetry costs: its step, and what the step after it adds by reading the row
+    figures = {"plain": steps["plain"], "telemetry": {key: value + steps["after it"][key] - steps["plain"][key]
+                                                      for key, value in steps["telemetry step"].items()}}
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     lines = [f"{shape} ({' '.join(overrides[:5])}), {'compiled' if compiled else 'eager'}: step {PLAIN} (plain) and "
-             f"step {TELEMETRY} (telemetry), {device.type}"]
-    for name, f in figures.items():
+             f"step {TELEMETRY} (telemetry), {device.type}; the telemetry step's row is read and written in step "
+             f"{AFTER}, whose figures less the plain step's count in the telemetry line"]
+    for name, f in (*figures.items(), (f"  step {TELEMETRY}", steps["telemetry step"]), (f"  step {AFTER}", steps["after it"])):
         lines.append(f"{name:<10} kernels {f['kernels']:>6}  aten ops {f['aten_ops']:>6}  kernel time {f['device_ms']:8.3f} ms"
                      f"  CPU time seen {f['cpu_ms']:8.3f} ms  wall {f['wall_ms']:8.3f} ms")
     events = profiler.profiles[TELEMETRY][0].key_averages()

@@ -166,13 +166,45 @@ def test_he_et_al_s_code_logs_d_over_d_minus_1_times_the_centred_kurtosis_minus_
 
 
 @pytest.mark.parametrize("d", [1, 2, 7, 8, 33])
-def test_lower_median_is_torchs_median_read_off_a_sort(d):
-    from normlab.telemetry.stats import sorted_lower_median
+def test_lower_median_is_torchs_median_read_off_a_sort_or_a_selection(d):
+    from normlab.telemetry.stats import selected_lower_median, sorted_lower_median
 
     torch.manual_seed(d)
     a = torch.randn(5, d).abs()
     a[0] = a[0, 0]  # a row of ties
-    torch.testing.assert_close(sorted_lower_median(a), a.median(-1).values, rtol=0, atol=0)
+    a[1, : d // 2] = 0.0  # a row half zeros
+    for median in (sorted_lower_median, selected_lower_median):
+        torch.testing.assert_close(median(a), a.median(-1).values, rtol=0, atol=0)
+
+
+def test_max_abs_is_one_pass_max_and_min():
+    from normlab.telemetry.stats import max_abs
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 5, 6)
+    x[1] = -x[1].abs() - 1  # a block whose largest magnitude is its most negative value
+    x[2, 0, 0, 0] = math.nan
+    got = max_abs(x, (1, 2, 3))
+    want = x.abs().flatten(1).amax(-1)
+    assert torch.equal(got[:2], want[:2]) and math.isnan(got[2]) and got.dtype == torch.float32
+    assert max_abs(x[0], (0, 1, 2)).item() == x[0].abs().max().item()
+    assert torch.equal(max_abs(x[:2], (3,)), x[:2].abs().amax(-1))
+    with pytest.raises(ValueError, match="trailing"):
+        max_abs(x, (1, 2))
+
+
+def test_the_eager_telemetry_forward_binds_no_autograd_function_by_signature(monkeypatch):
+    """torch binds the arguments of an autograd.Function with a setup_context by inspect.signature at every call
+    (what vmap needs): the eager forward's collectors use the plain form, a pack's (under vmap) the other."""
+    import inspect
+
+    calls = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda fn, *args, **kwargs: calls.append(fn) or real(fn, *args, **kwargs))
+    model = GPT(tiny_config("rms", "pre"))
+    probe = Probe(model, every=1, max_steps=1)
+    probe.forward(torch.randint(0, 256, (2, 16))).sum().backward()
+    assert calls == [] and probe.collect()["grad/resid_rms/L01"] > 0
 
 
 def test_max_median_per_token_centred_with_the_lower_median():

@@ -5,7 +5,7 @@ forward runs with the Probe's tap, a Recorder, which computes the Probe's forwar
 shown, member by member: torch.func.vmap stacks them, shape (M, ...), and the watcher takes them back
 (`absorb`). Every statistic is the Probe's own computation; only the RMS of the sites is one norm per tensor
 instead of one fused norm (torch._foreach_norm has no batching rule under vmap). The stream's gradient is
-collected by the Probe's Collect into one zero per member and site, passed into the batched call as the taps.
+collected by the Probe's BatchedCollect into one zero per member and site, passed into the batched call as the taps.
 Parameter statistics (gradient, weight and update norms, gains, running variances) are taken over each member's
 slices. `collect()` returns one dict per member with the Probe's keys, combined by the Probe's own arithmetic.
 A pack trains eager (pack=true refuses compile=true).

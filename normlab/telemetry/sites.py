@@ -11,6 +11,7 @@ transferred values into the statistics on the host.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -58,7 +59,22 @@ MEDIAN_STATS = (("mean", "act/max_median"), ("max", "act/max_median_max"), ("mea
 class Collect(torch.autograd.Function):
     """x itself in the forward; in the backward, the sum of squares of x's gradient (float32) as the gradient of
     `collector`, a zero leaf: after backward `collector.grad` holds it, summed over the step's micro-batches.
-    Autograd, vmap and torch.compile's backward graph all run it as they run any other op."""
+    Autograd and torch.compile's backward graph run it as they run any other op; under torch.func.vmap (a pack's
+    forward) BatchedCollect does the same."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, collector: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, _square_sum(grad)
+
+
+class BatchedCollect(torch.autograd.Function):
+    """Collect in the form torch.func.vmap takes (a separate setup_context, a generated vmap rule). Only there: torch
+    binds such a function's arguments by inspect.signature at every call, which costs a telemetry step's host more
+    than the op itself."""
 
     generate_vmap_rule = True
 
@@ -72,7 +88,11 @@ class Collect(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        return grad, _square_sum(grad)
+
+
+def _square_sum(grad: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
 
 
 @dataclass(frozen=True)
@@ -82,7 +102,9 @@ class Plan:
     labels: tuple[str, ...]  # the blocks' layer labels
     rows: int  # how many leading sequences of this micro-batch are among the step's probed ones
     softcap: float | None  # the attention's logit cap
-    fused: bool = True  # torch._foreach_norm for the RMS; under vmap (no batching rule for it) one norm each
+    # False under torch.func.vmap (a pack's forward): the RMS by one norm each (torch._foreach_norm has no batching
+    # rule), the stream's gradient by BatchedCollect
+    fused: bool = True
 
 
 @dataclass(frozen=True)
@@ -107,6 +129,12 @@ class Parts:
         where = "max" if kind == "max" else "sum"
         self.values[where].append(values if values.dim() == 1 else values.reshape(-1))
         self.entries[where].append(Entry(kind, keys, values.numel() // len(keys), count))
+
+    def add_runs(self, kind: str, runs: tuple[tuple[tuple[str, ...], int], ...], values: torch.Tensor) -> None:
+        """Several entries of one value per key from one vector: `runs` are their (keys, count), in its order."""
+        where = "max" if kind == "max" else "sum"
+        self.values[where].append(values)
+        self.entries[where].extend(Entry(kind, keys, 1, count) for keys, count in runs)
 
     def absent(self, kind: str, keys: tuple[str, ...], like: torch.Tensor, width: int = 1) -> None:
         """Entries this forward does not measure (none of its sequences is probed): 0 to add, -inf to max."""
@@ -144,7 +172,8 @@ class Recorder:
             with torch.no_grad():
                 self._measure(site, layer)
         if self.collectors and site in ("embed", "out"):
-            return Collect.apply(x, self.collectors[0 if layer is None else layer + 1])
+            collect = Collect if self.plan.fused else BatchedCollect
+            return collect.apply(x, self.collectors[0 if layer is None else layer + 1])
         return x
 
     def _chunk_ends(self, site: str, layer: int) -> bool:
@@ -193,6 +222,20 @@ class BlockTap:
         return self.recorder.record(site, self.layer, x)
 
 
+def eager_cached(fn):
+    """`fn`, its results kept for the eager forward, which would otherwise make them again at every telemetry step
+    (a run's keys and layouts recur). A compiled forward calls `fn` itself: it runs once, when Dynamo traces it
+    (Dynamo would trace through a cache, not use it)."""
+    cached = functools.lru_cache(maxsize=256)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+
+    return call
+
+
+@eager_cached
 def rms_key(site: str, label: str | None) -> str | None:
     """The RMS key of a site's tensor, or None for a site whose RMS is not logged."""
     if site == "embed":
@@ -210,22 +253,36 @@ def rms_key(site: str, label: str | None) -> str | None:
 
 def _rms(parts: Parts, sites: dict, plan: Plan) -> None:
     """The RMS of every site that has one, by one fused norm (or one norm each under vmap)."""
-    by_site: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
-    for (site, layer), x in sites.items():
-        key = rms_key(site, None if layer is None else plan.labels[layer])
-        if key is not None:
-            keys, tensors = by_site.setdefault(site, ([], []))
-            keys.append(key)
-            tensors.append(x)
-    tensors = [x for _, xs in by_site.values() for x in xs]
+    order, runs = _rms_layout(tuple(sites), plan.labels, tuple(x.numel() for x in sites.values()))
+    tensors = list(sites.values())
+    tensors = [tensors[i] for i in order]
     if plan.fused:
         norms = l2_norms(tensors)
     else:
         norms = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32) for x in tensors])
-    squares, offset = norms.square(), 0
-    for keys, xs in by_site.values():
-        parts.add("rms", tuple(keys), squares[offset : offset + len(keys)], xs[0].numel())
-        offset += len(keys)
+    parts.add_runs("rms", runs, norms.square())
+
+
+@eager_cached
+def _rms_layout(sites: tuple[tuple[str, int | None], ...], labels: tuple[str, ...], sizes: tuple[int, ...]
+                ) -> tuple[tuple[int, ...], tuple[tuple[tuple[str, ...], int], ...]]:
+    """Which of `sites` (in the order the model showed them) have an RMS, grouped by site name: their indices in
+    that order, and per site name its keys and the element count of its tensors (`sizes`)."""
+    by_site: dict[str, tuple[list[str], list[int]]] = {}
+    for i, (site, layer) in enumerate(sites):
+        key = rms_key(site, None if layer is None else labels[layer])
+        if key is not None:
+            keys, indices = by_site.setdefault(site, ([], []))
+            keys.append(key)
+            indices.append(i)
+    order = tuple(i for _, indices in by_site.values() for i in indices)
+    return order, tuple((tuple(keys), sizes[indices[0]]) for keys, indices in by_site.values())
+
+
+@eager_cached
+def layer_keys(stat: str, labels: tuple[str, ...]) -> tuple[str, ...]:
+    """`stat`'s key for each of the blocks `labels`, made once per run rather than at every telemetry step."""
+    return tuple(layer_key(stat, label) for label in labels)
 
 
 def _stream(parts: Parts, s: torch.Tensor, labels: tuple[str, ...], rows: int) -> None:
@@ -234,7 +291,7 @@ def _stream(parts: Parts, s: torch.Tensor, labels: tuple[str, ...], rows: int) -
     B, T, d = s.shape[1:]
 
     def keys(stat: str) -> tuple[str, ...]:
-        return tuple(layer_key(stat, label) for label in labels)
+        return layer_keys(stat, labels)
 
     u = units(s)
     angles = token_angles(u[:-1], u[1:])  # (blocks, B, T): each token's angle between the block's input and output
@@ -263,8 +320,7 @@ def _stream(parts: Parts, s: torch.Tensor, labels: tuple[str, ...], rows: int) -
 def _attention(parts: Parts, qs: list[torch.Tensor], ks: list[torch.Tensor], labels: tuple[str, ...], plan: Plan) -> None:
     """The attention statistics of the blocks `labels` from their queries and keys (B, n_head, T, head_dim), on
     the plan's rows."""
-    maxima = tuple(layer_key("attn/logit_max", label) for label in labels)
-    entropies = tuple(layer_key("attn/entropy", label) for label in labels)
+    maxima, entropies = layer_keys("attn/logit_max", labels), layer_keys("attn/entropy", labels)
     if not plan.rows:
         parts.absent("max", maxima, qs[0])
         parts.absent("entropy", entropies, qs[0], width=qs[0].size(1))

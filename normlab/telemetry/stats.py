@@ -48,17 +48,30 @@ def feature_kurtosis(square_sums: list[float]) -> float:
     return m4 / (m2 * m2) if m2 > 0 else math.nan
 
 
-def lower_median(a: torch.Tensor) -> torch.Tensor:
+def lower_median(a: torch.Tensor, short_rows: bool = False) -> torch.Tensor:
     """The median over the last dimension as torch.median takes it (for an even count the lower of the two middle
-    values). On CUDA it is read off a sort: torch.median's CUDA kernel also returns indices and has no
-    deterministic implementation, so under deterministic=true it raises. On the CPU torch.median, faster there
-    (one thread: 0.035 s against 0.27 s for 4 rows of 786k, 0.039 s against 0.14 s for 4096 rows of 768).
-    Where a row holds a NaN the caller's amax is NaN, so the ratio is NaN either way."""
-    return sorted_lower_median(a) if a.is_cuda else a.median(-1).values
+    values). On the CPU torch.median, the fastest there (one thread: 0.035 s against 0.27 s for a sort of 4 rows of
+    786k, 0.039 s against 0.14 s for 4096 rows of 768). Not torch.median on CUDA: its kernel also returns indices and
+    has no deterministic implementation, so under deterministic=true it raises. There, rows `short_rows` (a token's
+    features: thousands of rows of at most a few thousand values) are reduced by torch.kthvalue, a selection per row,
+    one kernel where a sort takes two; long rows (a sequence's T·d values, few of them) by a sort, which spreads each
+    row over the whole device where a selection runs each on one multiprocessor. Under deterministic=true a sort
+    throughout: torch's CUDA kthvalue refuses deterministic mode in some of the versions normlab supports. Every way
+    takes the same element, so the values are equal. Where a row holds a NaN the caller's amax is NaN, so the ratio is NaN either way."""
+    if not a.is_cuda:
+        return a.median(-1).values
+    if short_rows and not torch.are_deterministic_algorithms_enabled():
+        return selected_lower_median(a)
+    return sorted_lower_median(a)
+
+
+def selected_lower_median(a: torch.Tensor) -> torch.Tensor:
+    """lower_median by selection, as on CUDA for short rows: the ((n − 1) // 2 + 1)-th smallest of n."""
+    return a.kthvalue((a.size(-1) - 1) // 2 + 1, -1).values
 
 
 def sorted_lower_median(a: torch.Tensor) -> torch.Tensor:
-    """lower_median read off a sort, as on CUDA."""
+    """lower_median read off a sort, as on CUDA for long rows."""
     return a.sort(-1).values[..., (a.size(-1) - 1) // 2]
 
 
@@ -68,7 +81,7 @@ def max_median_ratios(y: torch.Tensor) -> torch.Tensor:
     an even d the lower of the two middle values)."""
     y = y.float()
     magnitudes = (y - y.mean(-1, keepdim=True)).abs_()  # in place: a fresh tensor
-    return magnitudes.amax(-1) / lower_median(magnitudes)
+    return magnitudes.amax(-1) / lower_median(magnitudes, short_rows=True)
 
 
 def top_median_ratios(y: torch.Tensor) -> torch.Tensor:
@@ -123,9 +136,12 @@ def logz_sum(logits: torch.Tensor) -> torch.Tensor:
 
 
 def max_abs(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """max |x| over the dimensions `dims` of `x`, in float32."""
-    # Not vector_norm(ord=inf): on the CPU it is ~20x slower than a max and a min.
-    return torch.maximum(x.amax(dims), -x.amin(dims)).float()
+    """max |x| over the trailing dimensions `dims` of `x`, in float32: max(max x, −min x), both from one pass over x
+    (torch.aminmax). Not vector_norm(ord=inf): on the CPU it is ~20x slower than a max and a min."""
+    if tuple(dims) != tuple(range(x.dim() - len(dims), x.dim())):
+        raise ValueError(f"max_abs reduces trailing dimensions, not {dims} of a {x.dim()}-d tensor")
+    low, high = torch.aminmax(x.flatten(x.dim() - len(dims)) if len(dims) > 1 else x, dim=-1)
+    return torch.maximum(high, -low).float()
 
 
 def l2_norms(tensors: list[torch.Tensor | None]) -> torch.Tensor:

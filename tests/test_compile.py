@@ -153,13 +153,14 @@ def test_reduce_overhead_compiles_with_the_default_modes_inductor_settings_off_c
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
-def test_the_telemetry_graph_compiles_without_cuda_graphs_and_static_shapes_in_every_mode(tmp_path, monkeypatch, mode):
-    """Whatever compile_mode the plain steps use, the Probe compiles its forward with torch.compile's default mode
-    (no CUDA graphs: its statistics are read after the step's other micro-batches, which a replay would
-    overwrite) and dynamic=False (one graph per micro-batch shape, none made dynamic by a second shape)."""
+def test_the_telemetry_graph_is_captured_in_cuda_graphs_where_the_plain_steps_are(tmp_path, monkeypatch, mode):
+    """The Probe compiles its forward with dynamic=False (one graph per micro-batch shape, none made dynamic by a
+    second shape), in torch.compile's reduce-overhead mode (CUDA graphs) where the plain steps run in CUDA graphs:
+    compile_mode=reduce-overhead on CUDA. Off CUDA, in every mode, the default mode."""
     import normlab.telemetry.probe as probe_module
     from normlab.train.callbacks import Telemetry
     from normlab.train.run import build_state, standard_callbacks
+    from normlab.train.runtime import cuda_graphs
 
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append((fn, kwargs)) or fn)
@@ -170,3 +171,8 @@ def test_the_telemetry_graph_compiles_without_cuda_graphs_and_static_shapes_in_e
     (telemetry,) = [c for c in callbacks if isinstance(c, Telemetry)]
     assert calls == [(probe_module.watched_forward, {"dynamic": False})]
     assert telemetry.probe.net is state.model
+    assert cuda_graphs(cfg, torch.device("cuda")) == (mode == "reduce-overhead") and not cuda_graphs(cfg, torch.device("cpu"))
+    calls.clear()
+    graphed = probe_module.Probe(state.model, 1, 2, compiled=True, graphs=True)
+    assert calls == [(probe_module.watched_forward, {"dynamic": False, "mode": "reduce-overhead"})]
+    assert all(c.grad is not None and c.grad.item() == 0 for c in graphed._collectors)  # kept outside the graphs

@@ -292,6 +292,32 @@ def test_collect_sees_only_the_probes_passes():
     assert probe.collect() == {}
 
 
+def test_a_probe_in_cuda_graphs_keeps_its_statistics_out_of_the_graphs_memory():
+    """In CUDA graphs (Probe(graphs=True)) a replay's outputs are overwritten by the next micro-batch's replay: the
+    Probe copies each forward's statistics out and keeps the collectors' gradients in memory of its own, which each
+    backward adds into. Those steps, taken here around the eager forward (no CUDA), give the plain Probe's
+    statistics exactly, over two steps of two micro-batches each."""
+    stats = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        model = GPT(tiny_config("rms", "pre"))
+        probe = Probe(model, every=1, max_steps=2)
+        probe._graphs = graphs  # the graphs' bookkeeping without compiling (torch.compile's CUDA graphs need CUDA)
+        probe._reset()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        batches = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            for _ in range(2):
+                (probe.forward(torch.randint(0, 256, (4, 16), generator=batches)).float().mean() / 2).backward()
+            probe.measure_gradients(torch.amp.GradScaler("cpu", enabled=False))
+            probe.before_update()
+            optimizer.step()
+            optimizer.zero_grad()
+            stats.append(probe.collect())
+    assert stats[0]["grad/resid_rms/L01"] > 0 and stats[0] != stats[1]
+    assert stats[2:] == stats[:2]
+
+
 def test_fp16_stream_gradients_are_unscaled(tmp_path, text_data):
     """Under fp16 the GradScaler's scale (65536 at first) is in the hooked gradients; the logged RMS has it divided out."""
     logged = {}

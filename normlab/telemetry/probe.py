@@ -16,7 +16,8 @@ batch whatever grad_accum is; `stage` sends everything to the host in one copy t
 (telemetry.readback), and the Pending it returns names the values once they have landed. Under compile=true the
 forward and its statistics are one compiled function (dynamic=False), a graph beside the plain step's,
 compiled at the first telemetry step and reused by every later one; the backward's measurements are part of
-its compiled backward.
+its compiled backward. Where the plain steps run in CUDA graphs (compile_mode=reduce-overhead on CUDA), so does
+this one (`graphs`): captured at the second telemetry step, replayed from the third on.
 
 Keys (built by normlab.keys; L03 = block 3, zero-padded so wandb's panels sort):
     act/resid_rms/L03, act/resid_max/L03    the residual stream after block 3
@@ -77,14 +78,15 @@ class Probe:
     """Measures one model's per-layer statistics on the steps `active` says.
 
     `model` is a normlab GPT (its forward takes a tap); `net` is what the forward runs (the DDP wrapper under
-    torchrun; by default `model`); `compiled`: run the forward and its statistics compiled. `every=0` makes
-    no step active.
+    torchrun; by default `model`); `compiled`: run the forward and its statistics compiled; `graphs`: and capture
+    them, with their backward, in CUDA graphs (torch.compile's reduce-overhead mode). `every=0` makes no step
+    active.
     """
 
     members = 1  # models measured at once (a pack's PackedProbe: its members)
 
     def __init__(self, model: nn.Module, every: int, max_steps: int, net: nn.Module | None = None,
-                 compiled: bool = False):
+                 compiled: bool = False, graphs: bool = False):
         self.model, self.net = model, model if net is None else net
         self.every = every
         self.last_step = max_steps - 1
@@ -106,7 +108,15 @@ class Probe:
         self._collectors = [torch.zeros((), device=model.tok_emb.weight.device, requires_grad=True)
                             for _ in self._grad_keys]
         self._plans: dict[tuple[int, bool], Plan] = {}
-        self._forward = torch.compile(watched_forward, dynamic=False) if compiled else watched_forward
+        self._graphs = compiled and graphs
+        self._forward = watched_forward
+        if compiled:
+            self._forward = torch.compile(watched_forward, dynamic=False, **({"mode": "reduce-overhead"} if graphs else {}))
+        if self._graphs:
+            for collector in self._collectors:
+                # A replay reads them where the capture did, without copying them in (their gradients are kept
+                # outside the graphs' memory: _reset)
+                torch._dynamo.mark_static_address(collector)
         self._reset()
 
     def _reset(self) -> None:
@@ -121,8 +131,16 @@ class Probe:
         self._norm_values: list[tuple[tuple[str, ...], torch.Tensor]] = []
         self._before: list[torch.Tensor] | None = None  # the weights before the update
         self._scale: torch.Tensor | None = None
-        for collector in self._collectors:
-            collector.grad = None
+        if not self._graphs:
+            for collector in self._collectors:
+                collector.grad = None
+        elif self._collectors[0].grad is None:
+            # Under CUDA graphs a gradient autograd set from a backward's output would be that graph's memory, which
+            # the next micro-batch's replay overwrites: allocated here once, each backward adds into it.
+            for collector in self._collectors:
+                collector.grad = torch.zeros_like(collector)
+        else:
+            torch._foreach_zero_([collector.grad for collector in self._collectors])
 
     def active(self, step: int) -> bool:
         """True at step 0, every `every` steps and at the last training step; never when `every` is 0."""
@@ -132,7 +150,11 @@ class Probe:
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """The model's logits for one micro-batch (B, T) of a telemetry step, its statistics measured on the way."""
+        if self._graphs:  # each micro-batch a new replay, as a plain step's (runtime.compile_model)
+            torch.compiler.cudagraph_mark_step_begin()
         logits, sums, maxima, entries = self._forward(self.net, idx, self._collectors, self._plan(idx.size(0)))
+        if self._graphs:  # out of the graphs' memory, which the next micro-batch's replay overwrites
+            sums, maxima = sums.clone(), maxima.clone()
         self._absorb(sums, maxima, entries)
         self._stream_elements += idx.size(-1) * idx.size(-2) * self._width
         return logits

@@ -45,8 +45,8 @@ from normlab.train.preempt import Preempted
 from normlab.telemetry.probe import Probe
 from normlab.train.runlog import run_log
 from normlab.train.runtime import (
-    compile_model, compile_steps, configure_determinism, configure_host_allocator, configure_matmul, resolve_device,
-    resolve_precision, seed_everything,
+    compile_model, compile_steps, configure_determinism, configure_host_allocator, configure_matmul, cuda_graphs,
+    resolve_device, resolve_precision, seed_everything,
 )
 from normlab.train.sinks import RunDir, Sink, SinkContext, open_sinks
 from normlab.train.state import TrainState
@@ -240,7 +240,8 @@ def standard_callbacks(cfg: RunConfig, state: TrainState, sinks: list[Sink], che
     callbacks += [
         DivergenceGuard(cfg.diverge_factor, device),
         BatchNormSteps(state.model, cfg),  # before telemetry, which reads the step's running statistics
-        Telemetry(Probe(state.model, cfg.telemetry.every, cfg.max_steps, net, compiled=cfg.compile)),
+        Telemetry(Probe(state.model, cfg.telemetry.every, cfg.max_steps, net, compiled=cfg.compile,
+                        graphs=cuda_graphs(cfg, device))),
         ThroughputClock(cfg.batch_size * cfg.seq_len, compile_steps(cfg, device), model_flops_per_token(cfg),
                         peak_flops(device, resolve_precision(cfg.precision, device), cfg.tf32), device),
         TelemetryProducts(sinks, later=end.add if end is not None else None),

@@ -114,12 +114,18 @@ def compile_model(net: nn.Module, mode: str, device: torch.device):
     return graphed
 
 
+def cuda_graphs(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether the compiled steps, plain and telemetry, run captured in CUDA graphs: compile_mode=reduce-overhead on
+    CUDA (elsewhere it compiles as the default mode: compile_model)."""
+    return cfg.compile and cfg.compile_mode == "reduce-overhead" and device.type == "cuda"
+
+
 def keeps_gradients(cfg: RunConfig, device: torch.device) -> bool:
     """Whether the parameters' gradients stay allocated between steps (zeroed, not freed): under CUDA graphs with
     grad_accum > 1. A graph's backward output installed as a `.grad` would be overwritten by the next
     micro-batch's replay before the step uses it (torch's "accessing tensor output of CUDAGraphs that has been
     overwritten"); with the gradients allocated beforehand, every micro-batch adds into them in place."""
-    return cfg.compile and cfg.compile_mode == "reduce-overhead" and device.type == "cuda" and cfg.grad_accum > 1
+    return cuda_graphs(cfg, device) and cfg.grad_accum > 1
 
 
 def hold_gradients(cfg: RunConfig, model: nn.Module, device: torch.device) -> bool:
@@ -137,7 +143,7 @@ def compile_steps(cfg: RunConfig, device: torch.device) -> int:
     """How many of the first compiled steps are compilation (and, under CUDA graphs, warm-up and capture)."""
     if not cfg.compile:
         return 0
-    return 2 if cfg.compile_mode == "reduce-overhead" and device.type == "cuda" else 1
+    return 2 if cuda_graphs(cfg, device) else 1
 
 
 # glibc's mallopt parameters (malloc.h) and the values normlab sets.

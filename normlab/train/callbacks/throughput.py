@@ -17,8 +17,8 @@ class ThroughputClock(Callback):
     The record's tokens_per_s is over the steps since the last logged one, whatever they cost. The
     summary's tokens_per_s is the steady rate: the process's first step (lazy initialization, on CUDA
     the kernels' first launches), the first `compile_steps` steps that run the compiled model
-    (compilation; under CUDA graphs also the graphs' warm-up and capture) and, with compile=true, the first
-    telemetry step (its compiled graph's compilation) are left out; their time is compile_time_s (with
+    (compilation; under CUDA graphs also the graphs' warm-up and capture) and as many telemetry steps (their own
+    compiled graph's) are left out; their time is compile_time_s (with
     compile=true), and train_time_s counts every step. The summary also gets
     flops_per_token, where the device's peak is known mfu (against it), and on CUDA the peak memory
     the run allocated (peak_memory_gib).
@@ -44,8 +44,8 @@ class ThroughputClock(Callback):
 
     def after_optimizer_step(self, state: TrainState, record: dict[str, Any] | None) -> None:
         elapsed = time.perf_counter() - self._t0
-        if state.watched:  # a telemetry step: its own compiled graph, compiled at the first one
-            compiling = self._watched_seen < min(1, self.compile_steps)
+        if state.watched:  # a telemetry step: its own compiled graph, compiled (and captured) at the first ones
+            compiling = self._watched_seen < self.compile_steps
             self._watched_seen += compiling
         else:
             compiling = self._compiled_seen < self.compile_steps

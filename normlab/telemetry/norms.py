@@ -9,6 +9,7 @@ share one computation.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -108,8 +109,18 @@ def eps_ratios(stats: Mapping[str, float], floors: Mapping[str, float]) -> dict[
     """norm/eps_ratio/<loc> = act/norm_in_rms/<loc> / the norm's eps_rms, for the norms measured in `stats`.
     Below 1 the norm is eps-dominated: its ε, not its input, sets its scale (ε exceeds the input's mean square,
     or for ScaleNorm and L2 its norm ‖x‖)."""
-    return {f"{EPS_RATIO}/{loc}": stats[f"act/norm_in_rms/{loc}"] / floor
-            for loc, floor in floors.items() if f"act/norm_in_rms/{loc}" in stats}
+    ratios = {}
+    for loc, floor in floors.items():
+        rms_key, ratio_key = _eps_keys(loc)
+        if rms_key in stats:
+            ratios[ratio_key] = stats[rms_key] / floor
+    return ratios
+
+
+@functools.lru_cache(maxsize=None)  # the host names a run's keys once, not at every telemetry step
+def _eps_keys(loc: str) -> tuple[str, str]:
+    """The keys of a norm's input RMS and of its eps ratio."""
+    return f"act/norm_in_rms/{loc}", f"{EPS_RATIO}/{loc}"
 
 
 class EpsWarnings:

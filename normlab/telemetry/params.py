@@ -8,6 +8,7 @@ its update) on the device; a group's norm is combined from its members' on the h
 from __future__ import annotations
 
 import math
+import operator
 
 from torch import nn
 
@@ -71,7 +72,7 @@ def group_stats(figures: list[tuple[str, str, list[int]]], grad: list[float], we
     """grad/norm/<loc> (and GROUP_GRAD_KEYS) and update_ratio/<loc> from each parameter's gradient, weight and
     update norms (empty lists: not measured); `figures`: group_figures. A group's norm is the root of the sum of
     its members' squared norms."""
-    grad2, weight2, delta2 = ([v * v for v in norms] for norms in (grad, weight, delta))
+    grad2, weight2, delta2 = (list(map(operator.mul, norms, norms)) for norms in (grad, weight, delta))
     stats = {}
     for grad_key, ratio_key, members in figures:
         if grad:

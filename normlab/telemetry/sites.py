@@ -352,6 +352,11 @@ def _finish(stats: dict[str, float], kind: str, key: str, values: list[float], c
     elif kind == "kurtosis":
         stats[key] = feature_kurtosis(values)
     elif kind == "entropy":
-        stats[key], stats[layer_key("attn/entropy_min", parse(key).label)] = head_entropy_stats(values, count)
+        stats[key], stats[_entropy_min_key(key)] = head_entropy_stats(values, count)
     else:
         stats[key] = values[0]
+
+
+@functools.lru_cache(maxsize=None)  # the host names a run's keys once, not at every telemetry step
+def _entropy_min_key(entropy_key: str) -> str:
+    return layer_key("attn/entropy_min", parse(entropy_key).label)

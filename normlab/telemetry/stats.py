@@ -10,6 +10,7 @@ torch.no_grad() (the Probe's forward statistics): none detaches.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ def feature_kurtosis(square_sums: list[float]) -> float:
     stream gives about 1, not 3). Their code logs d/(d−1)·(K−1) of the stream centred per token instead
     (docs/telemetry.md). `square_sums`: Σ_t y_tj² per feature (the token count cancels)."""
     m2 = sum(square_sums) / len(square_sums)
-    m4 = sum(v * v for v in square_sums) / len(square_sums)
+    m4 = sum(map(operator.mul, square_sums, square_sums)) / len(square_sums)  # the products summed in C, in order
     return m4 / (m2 * m2) if m2 > 0 else math.nan
 
 

@@ -166,12 +166,21 @@ def test_rows_are_written_in_step_order_each_once_complete():
     assert sink.rows == [{"step": 0, "stat": 1.5}, {"step": 1}] and kept == [first]
     rows.written(second, kept.append)  # already written: at once
     assert kept == [first, second]
-    rows.later(third, lambda: {"stat": 2.5})
+    landed = [False]
+    rows.later(third, lambda: {"stat": 2.5}, ready=lambda: landed[0])
     rows.write(third)
-    rows.flush()
+    rows.flush(wait=False)  # its copy has not landed: left for later, not waited for
+    assert len(sink.rows) == 2
+    landed[0] = True
+    rows.flush(wait=False)
     assert sink.rows[-1] == {"step": 2, "stat": 2.5}
     rows.flush()  # nothing waits: nothing written twice
     assert len(sink.rows) == 3
+    fourth, fifth = {"step": 3}, {"step": 4}
+    rows.later(fourth, lambda: {"stat": 3.5}, ready=lambda: False)
+    rows.write(fourth)
+    rows.write(fifth)  # a row after it waits for it: written together, reading the first whether ready or not
+    assert sink.rows[3:] == [{"step": 3, "stat": 3.5}, {"step": 4}]
 
 
 def test_a_failed_read_leaves_its_row_written_without_it(caplog):

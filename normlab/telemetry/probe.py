@@ -294,6 +294,10 @@ class Pending:
                  combine: Callable[[dict[str, list[float]], StepLayout], dict[str, float]]):
         self.readback, self.layout, self.members, self._combine = readback, layout, members, combine
 
+    def ready(self) -> bool:
+        """Whether the copy has landed: `read()` would not wait."""
+        return self.readback is None or self.readback.ready()
+
     def read(self) -> list[dict[str, float]]:
         """Each member's statistics as {key: float}, once the copy has landed (waiting for it, if it has not)."""
         if self.readback is None:

@@ -188,7 +188,7 @@ def run_steps(cfg: RunConfig, state: TrainState, models: tuple[nn.Module, nn.Mod
                                                                cfg.z_loss, terms, state.forward))
             _update(state, callbacks, max_norm, keep_grads)
             state.step, state.tokens = step + 1, state.tokens + cfg.batch_size * cfg.seq_len
-            rows.flush()  # a telemetry step's row before this one: read while the device runs this step's work
+            rows.flush(wait=False)  # a telemetry step's row before this one, read while the device runs this step
 
             logged = step % cfg.log_every == 0 or step == cfg.max_steps - 1 or "val_loss" in record or state.watched
             if logged:  # the step's host syncs; other steps keep their figures on the device

@@ -50,7 +50,7 @@ class Telemetry(Callback):
             return self._read(pending, step)
 
         if state.rows is not None:
-            state.rows.later(record, read)
+            state.rows.later(record, read, pending.ready)
         else:
             record.update(read())
 

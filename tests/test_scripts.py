@@ -126,15 +126,18 @@ def test_telemetry_profile_profiles_a_telemetry_step_beside_a_plain_one(tmp_path
 
 
 def test_telemetry_host_splits_what_a_telemetry_step_adds_by_phase(tmp_path, script_here):
-    out = script_here("bench/telemetry_host.py", "--pairs", "2", "--processes", "1", "--sinks", "jsonl", "--ops", cwd=tmp_path)
+    out = script_here("bench/telemetry_host.py", "--pairs", "2", "--processes", "1", "--sinks", "jsonl", "--ops", "--calls",
+                      cwd=tmp_path)
     assert "(8 blocks, 8 heads) at width 16, batch 8 x seq 16, cpu bf16, eager, 1 torch thread, sinks jsonl" in out
     line = next(line for line in out.splitlines() if line.startswith("this tree "))
-    cells = [(float(w), float(c), int(o)) for w, c, o in re.findall(r"(-?\d+\.\d+)/(-?\d+\.\d+)/(-?\d+)", line)]
-    assert len(cells) == 5  # statistics, row, other, sinks, total: (wall ms, CPU ms, aten ops)
+    cells = [(float(w), float(c), int(o), int(n))
+             for w, c, o, n in re.findall(r"(-?\d+\.\d+)/(-?\d+\.\d+)/(-?\d+)/(-?\d+)", line)]
+    assert len(cells) == 5  # statistics, row, other, sinks, total: (wall ms, CPU ms, aten ops, calls)
     statistics, row_, other, sinks, total = cells
     assert statistics[2] > 0 and row_[2] > 0  # the Probe's ops, its transfer's
     assert other[2] == 0 and sinks[2] == 0  # writing a row to metrics.jsonl dispatches no op
     assert total[2] == statistics[2] + row_[2] and row_[1] > 0
+    assert statistics[3] > 1000 and row_[3] > 100 and sinks[3] > 0  # the host's calls: the statistics', naming the row's
     assert int(re.search(r"\((\d+) keys a row\)", line).group(1)) > 200
 
 

@@ -27,7 +27,10 @@ On a GPU (`--device cuda`, e.g. `--width 256 --batch 32 --seq 128`: the medium p
 of the real cost, without a profiler's overhead: the host waits for the device where the step reads a value (the
 loss on every logged step, the row's one transfer), so a phase's wall time is its host work or that wait.
 
-With `--ops`, also the aten ops (a TorchDispatchMode: independent of the machine) of each phase, from one pair.
+With `--ops`, also the aten ops (a TorchDispatchMode: independent of the machine) of each phase; with `--calls`, the
+Python and C function calls the host makes in each (a sys.setprofile hook on the training thread: the interpreter's
+work, independent of the machine and its load, which the hook itself slows, so times taken with it are not the
+figures).
 `--base REF` measures the package at git REF too (a `git archive` of it, as scripts/bench/telemetry_cost.py does), the
 two alternated process after process, `--processes` each.
 """
@@ -53,17 +56,21 @@ PHASES = ("statistics", "row", "other", "sinks")
 
 
 class Marks:
-    """Clock readings at the boundaries of the phases of each step: (label, wall, cpu, aten ops so far)."""
+    """Clock readings at the boundaries of the phases of each step: (label, wall, cpu, aten ops so far, calls so far)."""
 
-    def __init__(self, ops: bool):
-        self.events: list[tuple[str, float, float, int]] = []
-        self.ops = ops
-        self.counted = 0
+    def __init__(self, ops: bool, calls: bool = False):
+        self.events: list[tuple[str, float, float, int, int]] = []
+        self.ops, self.calls = ops, calls
+        self.counted = self.called = 0
         self.current = "statistics"
 
     def mark(self, label: str) -> None:
-        self.events.append((label, time.perf_counter(), time.process_time(), self.counted))
+        self.events.append((label, time.perf_counter(), time.process_time(), self.counted, self.called))
         self.current = label
+
+    def count_call(self, frame, event: str, arg) -> None:
+        if event in ("call", "c_call"):
+            self.called += 1
 
     def around(self, label: str, fn):
         """`fn` with its time counted as `label`, the phase it interrupts going on after it."""
@@ -123,6 +130,8 @@ def meter(marks: Marks):
             if marks.ops:
                 self.mode = Count()
                 self.mode.__enter__()
+            if marks.calls:
+                sys.setprofile(marks.count_call)
             marks.mark("statistics")
 
         def on_step_end(self, state, record) -> None:
@@ -130,6 +139,7 @@ def meter(marks: Marks):
             marks.mark("statistics")
 
         def on_train_end(self, state, summary) -> None:
+            sys.setprofile(None)
             if marks.ops:
                 self.mode.__exit__(None, None, None)
 
@@ -137,19 +147,16 @@ def meter(marks: Marks):
     return StepEnd()
 
 
-def phases_of(events: list) -> list[dict[str, tuple[float, float, int]]]:
-    """Each step's (wall, cpu, ops) per phase, from the marks; a phase not marked in a step is 0."""
-    steps, current, last = [], collections.defaultdict(lambda: (0.0, 0.0, 0)), None
-    for label, wall, cpu, ops in events:
-        if last is not None:
-            name, w0, c0, o0 = last
-            if name != "end":
-                w, c, o = current[name]
-                current[name] = (w + wall - w0, c + cpu - c0, o + ops - o0)
+def phases_of(events: list) -> list[dict[str, tuple]]:
+    """Each step's (wall, cpu, ops, calls) per phase, from the marks; a phase not marked in a step is 0."""
+    steps, current, last = [], collections.defaultdict(lambda: (0,) * 4), None
+    for label, *reading in events:
+        if last is not None and last[0] != "end":
+            current[last[0]] = tuple(total + now - then for total, now, then in zip(current[last[0]], reading, last[1:]))
         if label == "end":
             steps.append(dict(current))
-            current = collections.defaultdict(lambda: (0.0, 0.0, 0))
-        last = (label, wall, cpu, ops)
+            current = collections.defaultdict(lambda: (0,) * 4)
+        last = (label, *reading)
     return steps
 
 
@@ -160,7 +167,7 @@ def measure(args) -> dict:
     import normlab
     from normlab.train.run import train
 
-    marks = Marks(args.ops)
+    marks = Marks(args.ops, args.calls)
     instrument(marks)
     steps = 3 * args.pairs + 4
     cfg = step_speed.compose(["model=medium", f"model.d_model={args.width}", f"batch_size={args.batch}", f"seq_len={args.seq}",
@@ -177,10 +184,10 @@ def measure(args) -> dict:
     triples = [(per_step[3 * k - 1], per_step[3 * k], per_step[3 * k + 1]) for k in range(1, args.pairs + 1)]
 
     def added_in(phase: str, i: int) -> list[float]:
-        return [t.get(phase, (0, 0, 0))[i] + a.get(phase, (0, 0, 0))[i] - 2 * p.get(phase, (0, 0, 0))[i]
+        return [t.get(phase, (0,) * 4)[i] + a.get(phase, (0,) * 4)[i] - 2 * p.get(phase, (0,) * 4)[i]
                 for p, t, a in triples]
 
-    added = {phase: [added_in(phase, i) for i in range(3)] for phase in PHASES}
+    added = {phase: [added_in(phase, i) for i in range(4)] for phase in PHASES}
     plain = [sum(v[0] for v in p.values()) for p, _, _ in triples]
     return {"normlab": str(Path(normlab.__file__).parents[1]), "added": added, "plain_wall": plain, "row_keys": keys}
 
@@ -194,7 +201,7 @@ def archived(ref: str, into: str) -> str:
 
 def measured_in(tree: str, args) -> dict:
     flags = ["--measure", "--width", str(args.width), "--batch", str(args.batch), "--seq", str(args.seq), "--pairs",
-             str(args.pairs), "--sinks", args.sinks, "--precision", args.precision, "--device", args.device, *(["--ops"] if args.ops else []),
+             str(args.pairs), "--sinks", args.sinks, "--precision", args.precision, "--device", args.device, *(["--ops"] if args.ops else []), *(["--calls"] if args.calls else []),
              *(["--compile"] if args.compile else [])]
     # The tree first, then whatever the path held (on the GPU machine the carried wheels: hydra, wandb)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tree, os.environ.get("PYTHONPATH"))))}
@@ -212,19 +219,21 @@ def report(results: dict[str, list[dict]], args) -> None:
           f"8 heads) at width {args.width}, batch {args.batch} x seq {args.seq}, {args.device} {args.precision}, "
           f"{'compiled' if args.compile else 'eager'}, 1 torch thread, sinks "
           f"{args.sinks}; medians over {args.pairs} triples per process, ms (wall / process CPU"
-          f"{' / aten ops' if args.ops else ''})")
-    print(f"{'package':<26}{'proc':>5}{'plain step':>12}" + "".join(f"{p:>20}" for p in (*PHASES, "total")))
+          f"{' / aten ops' if args.ops else ''}{' / calls' if args.calls else ''})")
+    width = 20 + 8 * args.calls
+    print(f"{'package':<26}{'proc':>5}{'plain step':>12}" + "".join(f"{p:>{width}}" for p in (*PHASES, "total")))
     for name, runs in results.items():
         for i, run in enumerate(runs):
             added = run["added"]
             cells = []
             for phase in (*PHASES, "total"):
-                series = ([[sum(added[p][k][j] for p in PHASES) for j in range(args.pairs)] for k in range(3)]
+                series = ([[sum(added[p][k][j] for p in PHASES) for j in range(args.pairs)] for k in range(4)]
                           if phase == "total" else added[phase])
-                wall, cpu, ops = (statistics.median(s) for s in series)
-                cells.append(f"{1e3 * wall:.2f}/{1e3 * cpu:.2f}" + (f"/{ops:.0f}" if args.ops else ""))
+                wall, cpu, ops, calls = (statistics.median(s) for s in series)
+                cells.append(f"{1e3 * wall:.2f}/{1e3 * cpu:.2f}" + (f"/{ops:.0f}" if args.ops else "")
+                             + (f"/{calls:.0f}" if args.calls else ""))
             print(f"{name:<26}{i + 1:>5}{1e3 * statistics.median(run['plain_wall']):>9.2f} ms"
-                  + "".join(f"{c:>20}" for c in cells) + f"   ({run['row_keys']} keys a row)")
+                  + "".join(f"{c:>{width}}" for c in cells) + f"   ({run['row_keys']} keys a row)")
 
 
 def main() -> int:
@@ -238,6 +247,7 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="compile=true")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the same split on a GPU")
     parser.add_argument("--ops", action="store_true", help="also count each phase's aten ops")
+    parser.add_argument("--calls", action="store_true", help="also count each phase's Python and C function calls")
     parser.add_argument("--processes", type=int, default=2, help="fresh processes per package, alternated")
     parser.add_argument("--base", default=None, help="git ref of the package to measure beside this tree")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one process of main

@@ -155,6 +155,7 @@ def test_a_run_logs_one_line_per_eps_dominated_slot_and_compare_warns_of_its_arm
             run(cfg, tmp_path, f"eps{eps:g}")
         lines[eps] = [r.getMessage() for r in caplog.records if "eps-dominated" in r.getMessage()]
     assert lines[1e-5] == [] and len(lines[1.0]) >= 1
+    assert lines[1.0][0].startswith("eps-dominated norms at step 0,")  # the telemetry step's own, though read in step 1
     named = [slot for line in lines[1.0] for slot in ("L00/norm1", "L00/norm2", "L01/norm1", "norm_f") if f" {slot} (" in line]
     assert sorted(named) == ["L00/norm1", "L00/norm2", "L01/norm1", "norm_f"]  # every slot, each once
     comparison = build_comparison([tmp_path / "eps1", tmp_path / "eps1e-05"])

@@ -211,7 +211,7 @@ def print_ops(results: dict[str, dict], args) -> None:
         depth, width = ("8", "256") if shape == "medium" else ("12", "768")
         size = "batch {} x seq {}".format(*ops_size(shape, args))
         print(f"\naten ops per training step, {OPS_SHAPES[shape][0]} ({depth} blocks x {width}, {size}), {args.device} "
-              f"{args.precision}, eager, telemetry step against the plain step before it"
+              f"{args.precision}, eager, a plain step and what a telemetry step adds (it and the step after it, less two plain steps)"
               + (f", the Probe's stacks capped at {args.ops_stack_elements} elements:" if args.ops_stack_elements else ":"))
         print(f"{'package':<28}{'plain':>8}{'telemetry':>11}{'added':>8}{'added/plain':>13}")
         for name, result in results.items():

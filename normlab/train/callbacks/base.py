@@ -8,7 +8,8 @@ The loop calls the hooks in the order of a step (see normlab.train):
     before_optimizer_step(state)          gradients clipped, weights not yet changed
     after_optimizer_step(state, record)   update taken (`state.step` is now s + 1): measure, add to the
                                           record (None on a step that is not logged); raise Diverged to stop
-    on_step_end(state, record)            the record, as the sinks got it (None if not logged)
+    on_step_end(state, record)            the record (None if not logged); a telemetry step's statistics join it
+                                          when its row is written, in a later step (state.rows.written)
     on_train_end(state, summary)          the run completed or diverged: add to the summary, write products
     on_train_stop(state)                  the steps stopped short (a signal, an error): release what it holds
 

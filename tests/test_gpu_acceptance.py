@@ -47,6 +47,13 @@ def figures(out: Path) -> dict[str, dict]:
     return {f["name"]: f for f in doc["figures"]}
 
 
+def _collected(path: str) -> int:
+    """How many tests pytest collects from `path`."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "--collect-only", path],
+                          capture_output=True, text=True, cwd=SCRIPTS.parent)
+    return int(re.search(r"(\d+) tests? collected", done.stdout).group(1))
+
+
 def test_a_smoke_stage_measures_its_figures_and_one_past_its_budget_records_null_and_why(tmp_path):
     proc = start(tmp_path, "--stage", "cuda_tests", "deterministic", "--budget", "deterministic=0.5")
     out, err = proc.communicate(timeout=600)
@@ -56,9 +63,10 @@ def test_a_smoke_stage_measures_its_figures_and_one_past_its_budget_records_null
                          "cuda_tests_wall_s"]
     failed, passed, wall = got["cuda_tests_failed"], got["cuda_tests_passed"], got["cuda_tests_wall_s"]
     assert failed["value"] == 0 and failed["verdict"] == "met" and failed["target"] == "== 0"
-    assert passed["value"] == (12 if torch.cuda.is_available() else 0) and passed["verdict"] is None  # no target
+    cuda_tests = _collected("tests/test_cuda.py")
+    assert passed["value"] == (cuda_tests if torch.cuda.is_available() else 0) and passed["verdict"] is None  # no target
     assert failed["detail"] == passed["detail"]
-    assert failed["detail"].startswith("12 passed in " if torch.cuda.is_available() else "12 skipped in ")
+    assert failed["detail"].startswith(f"{cuda_tests} {'passed' if torch.cuda.is_available() else 'skipped'} in ")
     assert 0 < wall["value"] < 600 and wall["command"] == "python -m pytest -q -n 0 --durations=0 tests/test_cuda.py"
     for name in ("deterministic_resume_equal", "deterministic_cost"):  # the stage before: over budget
         assert got[name]["value"] is None and got[name]["verdict"] is None

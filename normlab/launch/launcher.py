@@ -12,10 +12,9 @@ process, exactly as Hydra's basic launcher runs them (a 2-core CPU gains nothing
 In a grid sweep run again in its sweep dir, each job lands in the dir of the run it asks for, wherever it is,
 and a job the sweep has no run of gets a dir numbered after the sweep's jobs (normlab.launch.sweep_index).
 
-Every job is composed and run as the basic launcher runs it (same overrides, same job numbers, same
-seeds), so results equal a sequential sweep's; concurrent jobs only turn off their progress bars
-(`progress=false`), since interleaved bars are unreadable: each job says what it found in one
-line as it ends (normlab.launch.sweep_log).
+Every job is composed and run as the basic launcher runs it (same overrides, same job numbers, same seeds), so
+results equal a sequential sweep's; concurrent jobs only turn off their progress bars (`progress=false`), since
+interleaved bars are unreadable: each job says what it found in one line as it ends (normlab.launch.sweep_log).
 
 Packed arms (`pack=true`, normlab.train.pack): the jobs that differ only in lr and seed train as the members
 of one packed model in one process; every other job (pack=false, or alone in its pack) runs as above.

@@ -175,6 +175,17 @@ def client_check(env: dict[str, str], timeout: float = 60.0) -> Optional[str]:
     return lines[-1] if lines else f"a CUDA client exited {proc.returncode}"
 
 
+def _started(env: dict[str, str]) -> Optional[str]:
+    """Start a control daemon with `env`: None, else why it did not start (one line)."""
+    try:
+        started = control([], env)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"{CONTROL} -d: {err}"
+    if started.returncode == 0:
+        return None
+    return (started.stderr or started.stdout).strip()[:200] or f"{CONTROL} -d exited {started.returncode}"
+
+
 def start_daemon(sweep_dir: Path) -> Mps:
     """Start the sweep's own daemon and check that a client reaches it; on any failure, plain processes and why."""
     if shutil.which(CONTROL) is None:
@@ -184,13 +195,7 @@ def start_daemon(sweep_dir: Path) -> Mps:
     logs.mkdir(parents=True, exist_ok=True)
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
     mps = Mps(env=env, pipe_dir=pipe, log_dir=logs, made_pipe_dir=temporary)
-    try:
-        started = control([], env)
-        why = None if started.returncode == 0 else (started.stderr or started.stdout).strip()[:200] or \
-            f"{CONTROL} -d exited {started.returncode}"
-    except (OSError, subprocess.TimeoutExpired) as err:
-        why = f"{CONTROL} -d: {err}"
-    why = why or client_check(env)
+    why = _started(env) or client_check(env)
     if why:
         mps.stop()
         return Mps(line=f"MPS: could not start ({why}); the jobs share each GPU time-sliced")

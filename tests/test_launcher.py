@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
@@ -284,6 +285,39 @@ def test_workers_start_pinned_and_only_the_slots_used_stay():
         workers.keep(2)  # a sweep of two units: the third worker goes
         assert len(workers) == 2 and workers.slots == ["0", "1"]
         assert [workers[slot].submit(_seen).result() for slot in range(2)] == [("0", "2"), ("1", "2")]
+    finally:
+        workers.shutdown()
+
+
+def _preemptible(ready: str) -> str:
+    """A job that takes SIGTERM as a preemption, as a training job does: it says it is ready, then runs until one."""
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
+    Path(ready).touch()
+    while not stopped:
+        time.sleep(0.02)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return "preempted"
+
+
+def test_terminate_sends_sigterm_to_the_workers_running_a_unit_only(tmp_path):
+    """What the launcher does when SIGTERM unwinds it (`kill PID` reaches it alone): its running jobs preempt."""
+    from normlab.launch.workers import Workers
+
+    workers = Workers(["0", "1"], threads=1, fraction=0.5, warm=False)
+    try:
+        idle = workers[1].submit(os.getpid).result(timeout=60)
+        job = workers[0].submit(_preemptible, str(tmp_path / "ready"))
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline and not job.done(), "the job did not start"
+            time.sleep(0.02)
+        workers.terminate(set())
+        time.sleep(0.3)
+        assert not job.done()
+        workers.terminate({0})
+        assert job.result(timeout=30) == "preempted"
+        assert workers[1].submit(os.getpid).result(timeout=30) == idle  # the idle worker was left alone
     finally:
         workers.shutdown()
 

@@ -4,6 +4,9 @@ processes, and the clean-up, with a stand-in nvidia-cuda-mps-control on PATH (no
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -16,7 +19,7 @@ from normlab.launch.mps import Mps, daemon_alive, daemon_dirs, running_daemon, s
 
 # A stand-in control program: `-d` starts a "daemon" (a sleeping process) whose control pipe and pid file are in
 # $CUDA_MPS_PIPE_DIRECTORY, as the real one's are; "get_server_list" lists no server; "quit" on stdin ends it
-# (unless FAKE_MPS_STUCK is set: a daemon that never lets go). Every call is logged with its arguments, stdin
+# (unless FAKE_MPS_STUCK is set: a daemon that never lets go; after FAKE_MPS_QUIT_S seconds). Every call is logged with its arguments, stdin
 # and the two MPS variables.
 FAKE = textwrap.dedent("""\
     #!/usr/bin/env bash
@@ -28,6 +31,7 @@ FAKE = textwrap.dedent("""\
         sleep 300 </dev/null >/dev/null 2>&1 &
         echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
     elif [ "$input" = "quit" ] && [ -z "$FAKE_MPS_STUCK" ]; then
+        sleep "${FAKE_MPS_QUIT_S:-0}"
         kill "$(cat "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid")"
         rm -f "$CUDA_MPS_PIPE_DIRECTORY/control" "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
     fi
@@ -155,7 +159,7 @@ def test_which_sweeps_want_mps():
     assert wants_mps(True, ["0", "0"]) and wants_mps("true", ["1", "1"]) and wants_mps("true", ["0", "1", "0", "1"])
     assert not wants_mps("true", ["0"]) and not wants_mps("true", ["0", "1"])  # one job on each GPU: nothing to share
     assert not wants_mps("true", [None, None])  # the CPU's slots
-    # auto: no daemon, eager or CUDA graphs, until a sweep under MPS is seen to end after SIGTERM (docs/speed.md)
+    # auto: no daemon, eager or CUDA graphs, until a GPU run shows a sweep's daemon stopped by SIGTERM (docs/speed.md)
     assert not wants_mps("auto", ["0", "0"]) and not wants_mps(False, ["0", "0"]) and not wants_mps("false", ["0", "0"])
     with pytest.raises(ValueError, match="hydra.launcher.mps='sometimes': must be auto, true or false"):
         wants_mps("sometimes", ["0", "0"])
@@ -169,3 +173,77 @@ def test_a_worker_gets_the_daemons_environment_before_torch(monkeypatch):
     assert (os.environ["CUDA_MPS_PIPE_DIRECTORY"], os.environ["CUDA_VISIBLE_DEVICES"], os.environ["OMP_NUM_THREADS"]) == \
         ("/tmp/p", "1", "3")
 
+
+
+# A launching process in short: a block under sweep_mps that waits for its jobs as the launcher does
+# (concurrent.futures.wait, here on a future never done), with the stand-in's daemon counted as reaching a client.
+LAUNCHING = """
+import concurrent.futures, signal, sys
+from pathlib import Path
+from normlab.launch import mps
+mps.client_check, mps.DEFAULT_PIPE_DIR, mps.MAX_PIPE_DIR = (lambda env: None), Path(sys.argv[2]), 4096
+with mps.sweep_mps(Path(sys.argv[1]), wanted=sys.argv[3] == "wanted") as used:
+    print(used.pipe_dir, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+    concurrent.futures.wait([concurrent.futures.Future()])
+print("the block ended", flush=True)
+"""
+
+
+def _launching(tmp_path, wanted: str) -> tuple[subprocess.Popen, str, bool]:
+    """LAUNCHING started, with the pipe dir of its own daemon ("None" for none) and whether SIGTERM's handler is
+    still the default one within its block."""
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHING, str(tmp_path / "s"), str(tmp_path / "no-default"), wanted],
+                            stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    pipe, default = proc.stdout.readline().split()
+    return proc, pipe, default == "True"
+
+
+def _ended(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        return proc.wait(timeout=30), proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize("again", [False, True])
+def test_sigterm_stops_the_sweeps_own_daemon_then_ends_the_process_by_sigterm(tmp_path, fake_control, monkeypatch, again):
+    """SIGTERM's default action would end the launching process with no clean-up, its daemon left running. Under
+    its own daemon, SIGTERM interrupts the wait for the jobs, the daemon quits, and the process ends by SIGTERM; a
+    second SIGTERM while the daemon quits does not cut its stop short."""
+    monkeypatch.setenv("FAKE_MPS_QUIT_S", "1" if again else "0")
+    proc, pipe, default = _launching(tmp_path, "wanted")
+    daemon = int((Path(pipe) / "nvidia-cuda-mps-control.pid").read_text())
+    try:
+        assert not default and daemon_alive(Path(pipe))
+        proc.send_signal(signal.SIGTERM)
+        if again:
+            deadline = time.monotonic() + 20
+            while not any("stdin=quit" in line for line in fake_control()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)  # within the stand-in's quit, which takes 1 s
+        returncode, output = _ended(proc)
+        assert returncode == -signal.SIGTERM and "the block ended" not in output
+        assert [line.split(" ")[1] for line in fake_control()] == ["stdin=", "stdin=get_server_list", "stdin=quit"]
+        assert not daemon_alive(Path(pipe))
+    finally:
+        if daemon_alive(Path(pipe)):  # left running (the failure this test looks for)
+            os.kill(daemon, signal.SIGKILL)
+
+
+def test_a_sweep_without_a_daemon_of_its_own_keeps_sigterms_default_action(tmp_path, fake_control, monkeypatch):
+    proc, pipe, default = _launching(tmp_path, "not wanted")
+    assert pipe == "None" and default
+    proc.send_signal(signal.SIGTERM)
+    assert _ended(proc) == (-signal.SIGTERM, "") and fake_control() == []
+    monkeypatch.setattr(mps_module, "client_check", lambda env: None)
+    with sweep_mps(tmp_path / "first", wanted=True) as first:  # the handler is installed only around its block
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(first.pipe_dir))
+        with sweep_mps(tmp_path / "second", wanted=True) as second:  # a daemon already running: the handler as before
+            assert second.pipe_dir is None and signal.getsignal(signal.SIGTERM) is mps_module.sigterm._handler
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    monkeypatch.setenv("FAKE_MPS_REFUSE", "no")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+    with sweep_mps(tmp_path / "refused", wanted=True) as refused:  # plain processes: the default action
+        assert not refused.active and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

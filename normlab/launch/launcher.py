@@ -66,6 +66,7 @@ from normlab.launch.composed import ComposedOnce
 from normlab.launch.machine import visible_gpus
 from normlab.launch.mps import MPS, sweep_mps, wants_mps
 from normlab.launch.resolvers import task_dict
+from normlab.launch.sigterm import Terminated
 from normlab.launch.sweep_dirs import job_places
 from normlab.launch.sweep_index import BASIC_SWEEPER, Place, recorded_runs
 from normlab.launch.task import ended_job, gone_member, member_result, pack_member, thaw_garbage, train_members
@@ -376,6 +377,9 @@ class NormlabLauncher(BasicLauncher):
                     except Exception as err:  # the worker died (killed, out of memory): its jobs failed
                         returns.update((idx, _failed(idx, err)) for idx in idxs)
                         workers.restart(slot)  # a broken pool takes no more jobs: a fresh worker
+        except Terminated:  # SIGTERM under the sweep's own MPS daemon (normlab.launch.mps): the running jobs stop
+            workers.terminate({slot for slot, _ in running.values()})
+            raise
         finally:
             workers.shutdown()
         if stop is not None:

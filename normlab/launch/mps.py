@@ -4,8 +4,11 @@ Processes that share a GPU without MPS are time-sliced: the GPU runs one process
 several small, launch-bound jobs hardly overlap. Under the Multi-Process Service their kernels share the
 GPU's multiprocessors at once. For a sweep that asks for it (hydra.launcher.mps=true; see MPS for auto),
 `sweep_mps` starts a control daemon of the sweep's own (its pipe and log dirs under the sweep dir), hands the
-workers the environment that points them to it, and stops it when the sweep ends, on Ctrl-C or a failure too
-(not where SIGTERM ends the launching process, which then runs no clean-up). Where a daemon already runs (CUDA_MPS_PIPE_DIRECTORY names
+workers the environment that points them to it, and stops it when the sweep ends, on Ctrl-C or a failure too.
+While it owns such a daemon, SIGTERM unwinds the launching process instead of ending it outright
+(normlab.launch.sigterm): the jobs running stop at their checkpoint (the launcher sends them SIGTERM, since
+`kill PID` reaches the launching process alone), the workers are waited for, the daemon is stopped, and then
+the process ends by SIGTERM as before. Where a daemon already runs (CUDA_MPS_PIPE_DIRECTORY names
 a live one, or the default /tmp/nvidia-mps does), the jobs use that one and it is left alone. Where none
 can start (no nvidia-cuda-mps-control, a refusal, a client that cannot connect), the sweep runs as plain
 processes and says why in one line.
@@ -28,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from normlab.launch import sigterm
+
 CONTROL = "nvidia-cuda-mps-control"
 DEFAULT_PIPE_DIR = Path("/tmp/nvidia-mps")
 # A Unix socket's path is at most 107 bytes; MPS puts sockets in its pipe dir, so a longer sweep dir gets a
@@ -37,10 +42,11 @@ MAX_PIPE_DIR = 80
 # daemon, true starts a daemon of the sweep's own when more than one job shares a GPU (or uses the one running),
 # false never. Measured on an H100 (docs/speed.md), 4 medium models at once: eager, 4.02x one model's throughput
 # without MPS and 3.91x with it (eager steps are bound by the CPU's launches, which separate processes overlap
-# anyway); replaying CUDA graphs, 5.92x without and 8.61x with. auto would take that gain for CUDA graphs, but a
-# sweep under a daemon of its own, stopped by SIGTERM there, did not end for about 170 s, whatever held it (not
-# established without a GPU); and a launching process ended by SIGTERM stops no daemon (it runs no clean-up).
-# So auto leaves MPS off until a GPU run shows such a sweep ending (scripts/gpu/acceptance.py --stage mps_sigterm).
+# anyway); replaying CUDA graphs, 5.92x without and 8.61x with. auto would take that gain for CUDA graphs. On an
+# H200 a sweep under a daemon of its own, stopped by SIGTERM, closed its output after 0.3 s
+# (docs/benchmarks/h200-2026-11-28-gpu-acceptance.md); that SIGTERM stops its daemon (sweep_mps) is tested on the
+# CPU with a stand-in control program, not yet on a GPU. So auto leaves MPS off until a GPU run shows the daemon
+# stopped (scripts/gpu/acceptance.py --stage mps_sigterm: mps_daemon_left false).
 MPS = "auto"
 
 
@@ -87,21 +93,22 @@ class Mps:
         `timeout` seconds (a client that never let go), end it and its servers with SIGKILL."""
         if self.pipe_dir is None:
             return
-        servers = _server_pids(self.env)
-        try:
-            control(["quit"], self.env, timeout)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        deadline = time.monotonic() + timeout
-        while daemon_alive(self.pipe_dir) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if daemon_alive(self.pipe_dir):
-            for pid in [*servers, _pid(self.pipe_dir / "nvidia-cuda-mps-control.pid")]:
-                with contextlib.suppress(OSError, TypeError):
-                    os.kill(pid, signal.SIGKILL)
-        if self.made_pipe_dir:
-            shutil.rmtree(self.pipe_dir, ignore_errors=True)
-        self.pipe_dir = None
+        with sigterm.deferred():  # a second SIGTERM must not leave the daemon: this stop is bounded in time
+            servers = _server_pids(self.env)
+            try:
+                control(["quit"], self.env, timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            deadline = time.monotonic() + timeout
+            while daemon_alive(self.pipe_dir) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if daemon_alive(self.pipe_dir):
+                for pid in [*servers, _pid(self.pipe_dir / "nvidia-cuda-mps-control.pid")]:
+                    with contextlib.suppress(OSError, TypeError):
+                        os.kill(pid, signal.SIGKILL)
+            if self.made_pipe_dir:
+                shutil.rmtree(self.pipe_dir, ignore_errors=True)
+            self.pipe_dir = None
 
 
 def _server_pids(env: dict[str, str]) -> list[int]:
@@ -195,7 +202,11 @@ def start_daemon(sweep_dir: Path) -> Mps:
     logs.mkdir(parents=True, exist_ok=True)
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
     mps = Mps(env=env, pipe_dir=pipe, log_dir=logs, made_pipe_dir=temporary)
-    why = _started(env) or client_check(env)
+    try:
+        why = _started(env) or client_check(env)
+    except BaseException:  # SIGTERM or Ctrl-C during the start: the daemon may run already
+        mps.stop()
+        raise
     if why:
         mps.stop()
         return Mps(line=f"MPS: could not start ({why}); the jobs share each GPU time-sliced")
@@ -206,7 +217,8 @@ def start_daemon(sweep_dir: Path) -> Mps:
 @contextlib.contextmanager
 def sweep_mps(sweep_dir: Path, wanted: bool) -> Iterator[Mps]:
     """The MPS a sweep's workers use: none when not `wanted`; a daemon already running; else the sweep's own,
-    stopped when the block ends, however it ends."""
+    stopped when the block ends, however it ends: SIGTERM meanwhile unwinds the block (raising
+    sigterm.Terminated), then ends the process by SIGTERM."""
     if not wanted:
         yield Mps()
         return
@@ -215,8 +227,11 @@ def sweep_mps(sweep_dir: Path, wanted: bool) -> Iterator[Mps]:
         yield Mps(env={"CUDA_MPS_PIPE_DIRECTORY": str(existing)},
                   line=f"MPS: the jobs use the control daemon already running ({existing})")
         return
-    mps = start_daemon(sweep_dir)
-    try:
-        yield mps
-    finally:
-        mps.stop()
+    with sigterm.unwinding() as release:
+        mps = start_daemon(sweep_dir)
+        if mps.pipe_dir is None:  # no daemon of the sweep's own: SIGTERM ends the process as before
+            release()
+        try:
+            yield mps
+        finally:
+            mps.stop()

@@ -19,6 +19,7 @@ worker first touches CUDA (launcher._run_in_worker).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -28,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import forkserver, get_context, reduction
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 PRELOAD = "normlab.launch.preload"  # the forkserver's preload: what every job imports
 
@@ -155,6 +156,21 @@ def _warm_up(pools: Sequence[ProcessPoolExecutor]) -> None:
             pass
 
 
+class _Starts:
+    """A start method's context that keeps the processes it starts: a pool's worker, to signal (Workers.terminate)."""
+
+    def __init__(self, method: str) -> None:
+        self.context, self.processes = get_context(method), []
+
+    def Process(self, *args, **kwargs):  # noqa: N802  (the name ProcessPoolExecutor calls)
+        process = self.context.Process(*args, **kwargs)
+        self.processes.append(process)
+        return process
+
+    def __getattr__(self, name: str):
+        return getattr(self.context, name)
+
+
 class Workers:
     """One single-process pool per slot (`slots`: the GPU each is pinned to, None for the CPU), started at once;
     with `warm`, each first imports the jobs' modules (warm_up)."""
@@ -162,6 +178,7 @@ class Workers:
     def __init__(self, slots: Sequence[Optional[str]], threads: int, fraction: float, env: Optional[dict] = None,
                  warm: bool = True) -> None:
         self.slots, self.threads, self.fraction, self.env = list(slots), threads, fraction, env or {}
+        self.processes: dict[ProcessPoolExecutor, list] = {}  # each pool's worker processes (_Starts)
         self.pools = [self._pool(gpu) for gpu in self.slots]
         if warm:  # from a thread: a forked worker starts once its forkserver has imported PRELOAD, seconds later
             threading.Thread(target=_warm_up, args=(list(self.pools),), name="normlab-warm-up", daemon=True).start()
@@ -173,8 +190,11 @@ class Workers:
         # A stream the process started without (closed: `>&-`) is not sent: its fd may since name a pipe of its own.
         started = ((1, sys.__stdout__), (2, sys.__stderr__)) if method == "forkserver" else ()
         outputs = tuple((target, None if stream is None else _Inherited(target)) for target, stream in started)
-        return ProcessPoolExecutor(1, get_context(method), initializer=pin_worker,
+        starts = _Starts(method)
+        pool = ProcessPoolExecutor(1, starts, initializer=pin_worker,
                                    initargs=(gpu, self.threads, self.fraction, self.env, dict(os.environ), outputs))
+        self.processes[pool] = starts.processes
+        return pool
 
     def __len__(self) -> int:
         return len(self.pools)
@@ -185,6 +205,7 @@ class Workers:
     def restart(self, slot: int) -> None:
         """A fresh worker for `slot`, whose worker died (a broken pool takes no more jobs)."""
         self.pools[slot].shutdown(wait=False)
+        self.processes.pop(self.pools[slot], None)
         self.pools[slot] = self._pool(self.slots[slot])
 
     def keep(self, n: int) -> None:
@@ -197,6 +218,16 @@ class Workers:
     def release(self, slot: int) -> None:
         """`slot` takes no more units: its worker ends, without waiting for it (shutdown does)."""
         self.pools[slot].shutdown(wait=False)
+
+    def terminate(self, slots: Iterable[int]) -> None:
+        """SIGTERM to the workers of `slots` (those running a unit): each job running takes it as a preemption, as
+        from the process group. The launching process alone may get SIGTERM (`kill PID`); an idle worker needs none
+        (shutdown ends it)."""
+        for slot in slots:
+            for process in self.processes.get(self.pools[slot], []):
+                if process.is_alive():
+                    with contextlib.suppress(OSError):
+                        os.kill(process.pid, signal.SIGTERM)
 
     def shutdown(self) -> None:
         """Every worker ends, after its unit at hand; the units not started are dropped."""

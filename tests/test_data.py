@@ -8,6 +8,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,11 +42,11 @@ def test_stdlib_corpus_is_the_joined_stdlib_files(stdlib_corpus):
     names = stdlib_files()
     assert len(names) > 500
     assert corpus.vocab_size == 256
-    assert corpus.train.dtype == torch.uint8 and corpus.val.dtype == torch.uint8
-    assert corpus.train.dim() == 1 and corpus.val.dim() == 1
+    assert corpus.train.dtype == np.uint8 and corpus.val.dtype == np.uint8
+    assert corpus.train.numpy().ndim == 1 and corpus.val.numpy().ndim == 1
     assert corpus.source == f"stdlib:{root}"
     expected_size = sum((root / n).stat().st_size for n in names) + len(names) - 1
-    assert corpus.n_bytes == expected_size == corpus.train.numel() + corpus.val.numel()
+    assert corpus.n_bytes == expected_size == len(corpus.train) + len(corpus.val)
     stream = corpus_bytes(corpus)
     assert corpus.sha256 == hashlib.sha256(stream).hexdigest()
     first, second = (root / names[0]).read_bytes(), (root / names[1]).read_bytes()
@@ -55,11 +56,11 @@ def test_stdlib_corpus_is_the_joined_stdlib_files(stdlib_corpus):
 
 def test_stdlib_val_is_the_tail_of_the_right_size(stdlib_corpus):
     corpus, _ = stdlib_corpus
-    assert corpus.val.numel() == int(corpus.n_bytes * 0.1)
+    assert len(corpus.val) == int(corpus.n_bytes * 0.1)
     last = (Path(sysconfig.get_paths()["stdlib"]) / stdlib_files()[-1]).read_bytes()
     tail = min(len(last), 1000)
     assert corpus.val.numpy().tobytes()[-tail:] == last[-tail:]
-    assert corpus.train.numel() == corpus.n_bytes - corpus.val.numel()
+    assert len(corpus.train) == corpus.n_bytes - len(corpus.val)
 
 
 def test_stdlib_files_are_sorted_and_skip_installed_packages():
@@ -114,7 +115,7 @@ def test_second_load_is_a_cache_hit(stdlib_corpus, monkeypatch):
     first, cache = stdlib_corpus
     monkeypatch.setattr(token_cache, "_write_tokens", fail_if_called)
     again = load_corpus(DataConfig(source="stdlib", cache_dir=str(cache)))
-    assert torch.equal(again.train, first.train) and torch.equal(again.val, first.val)
+    assert np.array_equal(again.train.numpy(), first.train.numpy()) and np.array_equal(again.val.numpy(), first.val.numpy())
     assert again.sha256 == first.sha256 and again.n_bytes == first.n_bytes
 
 
@@ -298,7 +299,7 @@ def test_hf_local_dataset_uses_its_own_validation_split(local_dataset, tmp_path)
     assert corpus.source == f"hf:{local_dataset}/train+validation"
     cut = load_corpus(DataConfig(source="hf", name=str(local_dataset), val_split=None, val_fraction=0.25,
                                  cache_dir=str(tmp_path / "c")))
-    assert corpus_bytes(cut) == "hello\nwörld\nthird row".encode() and cut.val.numel() == int(cut.n_bytes * 0.25)
+    assert corpus_bytes(cut) == "hello\nwörld\nthird row".encode() and len(cut.val) == int(cut.n_bytes * 0.25)
 
 
 # ---------------------------------------------------------------- datasets saved to disk, streaming, jsonl, max_bytes
@@ -325,7 +326,7 @@ def test_saved_dataset_train_and_validation_splits(saved_dataset, tmp_path, monk
     corpus = load_corpus(DataConfig(source="hf", name=str(saved_dataset), cache_dir=str(tmp_path / "c")))
     assert corpus.train.numpy().tobytes() == _joined([f"train row {i} ünï" for i in range(40)])
     assert corpus.val.numpy().tobytes() == b"valid row a\nvalid row b"
-    assert corpus.n_bytes == corpus.train.numel() + corpus.val.numel()
+    assert corpus.n_bytes == len(corpus.train) + len(corpus.val)
     assert corpus.sha256 == hashlib.sha256(corpus_bytes(corpus)).hexdigest()
     again = load_corpus(DataConfig(source="hf", name=str(saved_dataset), val_split="validation", cache_dir=str(tmp_path / "c")))
     assert again.sha256 == corpus.sha256
@@ -342,7 +343,7 @@ def test_a_single_saved_dataset_is_the_train_split_cut_for_validation(tmp_path):
     rows = [f"row {i}" for i in range(30)]
     datasets.Dataset.from_dict({"text": rows}).save_to_disk(str(tmp_path / "one"))
     corpus = load_corpus(DataConfig(source="hf", name=str(tmp_path / "one"), cache_dir=str(tmp_path / "c")))
-    assert corpus_bytes(corpus) == _joined(rows) and corpus.val.numel() == int(len(_joined(rows)) * 0.1)
+    assert corpus_bytes(corpus) == _joined(rows) and len(corpus.val) == int(len(_joined(rows)) * 0.1)
 
 
 def test_streaming_reads_max_bytes_of_each_split(saved_dataset, tmp_path):

@@ -25,6 +25,11 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[Any, ...]]] = {
     "data.split": ("data.source", ("hf",)),
     "data.streaming": ("data.source", ("hf",)),
     "data.val_split": ("data.source", ("hf",)),
+    "data.holdout": ("data.source", ("stdlib", "text", "hf")),
+    "data.val_docs": ("data.holdout", ("first",)),
+    "data.train": ("data.source", ("tokens",)),
+    "data.val": ("data.source", ("tokens",)),
+    "data.dtype": ("data.source", ("tokens",)),
 }
 
 

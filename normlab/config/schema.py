@@ -80,6 +80,14 @@ class DataConfig:
     streaming: bool = False  # data=hf: stream the split instead of downloading it whole; needs max_bytes
     max_bytes: int | None = None  # read at most this many bytes of text per split; null: all of it
     val_split: str | None = "auto"  # data=hf: auto ("validation" if the dataset has it), a split name, or null (cut val_fraction)
+    holdout: str = "tail"  # validation without a split of its own: tail (last val_fraction of the bytes) | hash | first
+    not_utf8: str = "auto"  # bytes that are not UTF-8 under tokenizer=bpe/hf: refuse | replace (U+FFFD) | auto (replace for stdlib)
+    val_docs: int = 1000  # data.holdout=first: the number of leading documents held out
+    train: list = field(default_factory=list)  # data=tokens: token shard files or globs to train on
+    val: list = field(default_factory=list)  # data=tokens: token shard files or globs to validate on
+    dtype: str | None = None  # data=tokens: raw arrays' ids, uint16 | uint32; null: from the llm.c header or a sidecar
+    workers: int | None = bookkeeping(None)  # processes encoding a corpus's tokens; null: one per core
+    batch_bytes: int = bookkeeping(1 << 20)  # text each encoding worker takes at once: memory scales with it
 
 
 @dataclass

@@ -18,14 +18,19 @@ INITS = ("normal", "xavier")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes; reduce-overhead: CUDA graphs
-DATA_SOURCES = ("stdlib", "text", "hf")
+DATA_SOURCES = ("stdlib", "text", "hf", "tokens")
+HOLDOUTS, NOT_UTF8 = ("tail", "hash", "first"), ("auto", "refuse", "replace")  # normlab.data.holdout, .corpus
+TOKEN_DTYPES = ("uint16", "uint32")  # data=tokens: the ids of a raw array
 TOKENIZERS = ("byte", "bpe", "hf")
 BPE_VOCAB_RANGE = (257, 65536)  # the 256 bytes plus at least one merge; ids fit in uint16
 WANDB_MODES = ("offline", "online", "disabled")
 SEED_RANGE = (0, 2**32 - 1)  # what numpy and torch take as a seed
 BYTE_VOCAB = 256  # the byte tokenizer's ids
 # The data and tokenizer keys that some sources or kinds read, and which: another must leave them at their defaults.
-SOURCE_KEYS = {"files": ("text",), "name": ("hf",), "config_name": ("hf",), "split": ("hf",), "text_field": ("text", "hf")}
+TEXT_SOURCES = ("stdlib", "text", "hf")
+SOURCE_KEYS = {"files": ("text",), "name": ("hf",), "config_name": ("hf",), "split": ("hf",), "text_field": ("text", "hf"),
+               "train": ("tokens",), "val": ("tokens",), "dtype": ("tokens",),
+               **dict.fromkeys(("holdout", "val_fraction", "val_docs", "max_bytes", "not_utf8"), TEXT_SOURCES)}
 TOKENIZER_KEYS = {"vocab_size": ("bpe",), "name": ("hf",)}
 NAME_MAX = 100  # a run name is part of its run dir's name
 WANDB_PROJECT_MAX = 128  # wandb's limits on a project name and on each tag
@@ -35,7 +40,8 @@ WANDB_UNREACHABLE = ("offline", "stop")
 # The keys whose value is one of a fixed set, with that set (what tab completion offers after `key=`).
 KEY_CHOICES: dict[str, tuple[str, ...]] = {
     "norm.name": NORMS, "placement": PLACEMENTS, "init": INITS, "precision": PRECISIONS, "device": DEVICES,
-    "compile_mode": COMPILE_MODES, "data.source": DATA_SOURCES, "tokenizer.kind": TOKENIZERS,
+    "compile_mode": COMPILE_MODES, "data.source": DATA_SOURCES, "data.holdout": HOLDOUTS,
+    "data.not_utf8": NOT_UTF8, "data.dtype": TOKEN_DTYPES, "tokenizer.kind": TOKENIZERS,
     "wandb.mode": WANDB_MODES, "wandb.on_unreachable": WANDB_UNREACHABLE,
 }
 RESUME_CHOICES = "choose null (start fresh), auto (the newest checkpoint in the run dir, if any) or a checkpoint path"
@@ -287,6 +293,24 @@ def check_data(cfg: Any) -> None:
             f"data.val_split={shown(cfg.data.val_split)} with data={cfg.data.source}: only data=hf has named splits; "
             "use data.val_fraction"
         )
+    check_preparation(cfg.data)
+    if cfg.data.source == "tokens" and cfg.tokenizer.kind == "bpe":
+        raise ConfigError("tokenizer=bpe with data=tokens: a BPE learns its merges from text, which token shards do "
+                          "not hold; name the shards' tokenizer: tokenizer=hf tokenizer.name=gpt2 (or a tokenizer.json)")
+
+
+def check_preparation(data: Any) -> None:
+    """How validation is held out, how tokens are prepared, and what data=tokens reads."""
+    _choice("data.holdout", data.holdout, HOLDOUTS)
+    _choice("data.not_utf8", data.not_utf8, NOT_UTF8)
+    _at_least("data.val_docs", data.val_docs, 1)
+    if data.holdout != "first" and data.val_docs != type(data)().val_docs:
+        raise ConfigError(f"data.val_docs is set, but data.holdout={data.holdout} does not read it: "
+                          "add data.holdout=first (the first data.val_docs documents are held out)")
+    _at_least("data.workers", 1 if data.workers is None else data.workers, 1)
+    _at_least("data.batch_bytes", data.batch_bytes, 1)
+    if data.dtype is not None:
+        _choice("data.dtype", data.dtype, TOKEN_DTYPES)
 
 
 def check_limits(cfg: Any) -> None:
@@ -319,6 +343,9 @@ def check_data_source(cfg: Any) -> None:
         raise ConfigError("data.files is empty: data=text needs data.files=[path, ...]")
     if cfg.data.source == "hf" and not cfg.data.name:
         raise ConfigError("data.name is not set: data=hf needs data.name=<hub dataset name>")
+    for key in ("train", "val") if cfg.data.source == "tokens" else ():
+        if not getattr(cfg.data, key):
+            raise ConfigError(f"data.{key} is empty: data=tokens needs data.train=[...] and data.val=[...], files or globs")
 
 
 def check_wandb_names(project: str | None, tags: list) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from normlab.data.errors import DataError
 
 
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
+MAP_BYTES = 1 << 20  # a file this large or larger is memory-mapped, not read
 
 
 @dataclass(frozen=True)
@@ -112,16 +114,25 @@ def _is_jsonl(path: Path) -> bool:
     return path.suffix.lower() == ".jsonl"
 
 
-def _read_files(paths: list[Path], text_field: str = "text") -> Iterator[bytes]:
+def _read_files(paths: list[Path], text_field: str = "text") -> Iterator[bytes | memoryview]:
     """Each file's bytes as one document; a .jsonl file gives one document per row (its `text_field`)."""
     for path in paths:
         try:
             if _is_jsonl(path):
                 yield from _jsonl_documents(path, text_field)
             else:
-                yield path.read_bytes()
+                yield _file_bytes(path)
         except OSError as err:
             raise DataError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+def _file_bytes(path: Path) -> bytes | memoryview:
+    """A file's bytes: read whole below MAP_BYTES, memory-mapped above, so that a large file is read from the page
+    cache as it is used, never held in the process's own memory."""
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size < MAP_BYTES:
+            return fh.read()
+        return memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[bytes]:

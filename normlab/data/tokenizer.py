@@ -19,23 +19,22 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
 from normlab.config import BPE_VOCAB_RANGE
+from normlab.data.pieces import newline_chunks, text_pieces
 from normlab.util.errors import one_line
 from normlab.util.files import atomic_path
 
 BYTE_VOCAB = 256
 MAX_VOCAB_UINT16 = 1 << 16
 MIN_BPE_VOCAB, MAX_BPE_VOCAB = BPE_VOCAB_RANGE
-# BPE merges are learned from at most this much of the training text, taken as evenly spaced
-# chunks: on the stdlib corpus (28 MB of training text) that keeps training to seconds, and
+# BPE merges are learned from at most this many characters of the training text, taken as evenly spaced
+# pieces: on the stdlib corpus (28 MB of training text) that keeps training to seconds, and
 # merge statistics of a few MB of the same text are close to those of all of it.
 BPE_TRAIN_BYTES = 8 << 20
-_CHUNK_CHARS = 1 << 16  # texts are encoded in newline-aligned chunks of about this size, in parallel
 
 
 class TokenizerError(RuntimeError):
@@ -56,10 +55,10 @@ class Tokenizer:
 
     @property
     def dtype(self) -> np.dtype:
-        """The smallest unsigned dtype that holds every id (uint8 for bytes, uint16 up to 65536 ids)."""
+        """The smallest unsigned dtype that holds every id (uint8 for bytes, uint16 up to 65536 ids, else uint32)."""
         if self.vocab_size <= BYTE_VOCAB:
             return np.dtype(np.uint8)
-        return np.dtype(np.uint16) if self.vocab_size <= MAX_VOCAB_UINT16 else np.dtype(np.int32)
+        return np.dtype(np.uint16) if self.vocab_size <= MAX_VOCAB_UINT16 else np.dtype(np.uint32)
 
     def encode(self, data: bytes | str) -> np.ndarray:
         raise NotImplementedError
@@ -136,16 +135,6 @@ def not_utf8(text: str, kind: str) -> TokenizerError:
                           "reads UTF-8 text only (a byte-tokenizer run takes any bytes)")
 
 
-def newline_chunks(text: str, size: int = _CHUNK_CHARS) -> Iterator[str]:
-    """`text` in consecutive pieces of at least `size` characters, each ending just after a newline (the last may not)."""
-    start = 0
-    while start < len(text):
-        cut = text.find("\n", start + size)
-        end = len(text) if cut < 0 else cut + 1
-        yield text[start:end]
-        start = end
-
-
 def check_bpe_vocab(vocab_size: int) -> None:
     if not MIN_BPE_VOCAB <= vocab_size <= MAX_BPE_VOCAB:
         raise TokenizerError(
@@ -154,14 +143,19 @@ def check_bpe_vocab(vocab_size: int) -> None:
         )
 
 
-def train_bpe(train_text: bytes, vocab_size: int, cache_dir: str | os.PathLike) -> HFTokenizer:
-    """A byte-level BPE of `vocab_size` tokens learned from `train_text`, read from the cache when built before.
+def train_bpe(train_text, vocab_size: int, cache_dir: str | os.PathLike, text_id: str | None = None,
+              replace: bool = False) -> HFTokenizer:
+    """A byte-level BPE of `vocab_size` tokens learned from `train_text` (bytes, or a uint8 array such as a
+    memory-mapped file), read from the cache when built before.
 
-    The cache file is `bpe-<sha256(train_text)[:24]>-v<vocab_size>.json` in `cache_dir`; the
-    same text and size always give the same tokenizer.
+    The cache file is `bpe-<text_id[:24]>-v<vocab_size>.json` in `cache_dir`, `text_id` a hex digest naming the
+    text (default: its sha256); the same text and size always give the same tokenizer. Memory holds the sample
+    learned from (about BPE_TRAIN_BYTES characters), never the whole text. Raises
+    normlab.data.pieces.NotUtf8 for a text that is not UTF-8, unless `replace` (such bytes are read as U+FFFD).
     """
     check_bpe_vocab(vocab_size)
-    path = bpe_cache_path(cache_dir, hashlib.sha256(train_text).hexdigest(), vocab_size)
+    text_id = text_id or hashlib.sha256(memoryview(train_text).cast("B")).hexdigest()
+    path = bpe_cache_path(cache_dir, text_id, vocab_size)
     if path.is_file():
         try:
             return from_file(path, kind="bpe")
@@ -176,8 +170,7 @@ def train_bpe(train_text: bytes, vocab_size: int, cache_dir: str | os.PathLike) 
         special_tokens=[],
         show_progress=False,
     )
-    text = train_text.decode("utf-8", errors="replace")
-    backend.train_from_iterator(_spread_sample(text, BPE_TRAIN_BYTES), trainer=trainer)
+    backend.train_from_iterator(_spread_sample((train_text,), BPE_TRAIN_BYTES, replace), trainer=trainer)
     tokenizer = HFTokenizer("bpe", backend, f"bpe:{vocab_size}")
     # Same directory, then one rename: concurrent jobs never read half a file.
     try:
@@ -188,17 +181,17 @@ def train_bpe(train_text: bytes, vocab_size: int, cache_dir: str | os.PathLike) 
     return tokenizer
 
 
-def bpe_cache_path(cache_dir: str | os.PathLike, train_sha256: str, vocab_size: int) -> Path:
-    return Path(cache_dir) / f"bpe-{train_sha256[:24]}-v{vocab_size}.json"
+def bpe_cache_path(cache_dir: str | os.PathLike, text_id: str, vocab_size: int) -> Path:
+    return Path(cache_dir) / f"bpe-{text_id[:24]}-v{vocab_size}.json"
 
 
-def _spread_sample(text: str, budget: int) -> list[str]:
-    """All of `text` if it is within `budget` characters, else evenly spaced newline-aligned chunks totalling about `budget`."""
-    chunks = list(newline_chunks(text))
-    if len(text) <= budget:
-        return chunks
-    stride = max(1, round(len(text) / budget))
-    return chunks[::stride]
+def _spread_sample(parts, budget: int, replace: bool) -> list[str]:
+    """All the pieces (normlab.data.pieces.text_pieces) of the text made of `parts` if it is within `budget`
+    characters, else every k-th piece, k = round(characters / budget): about `budget` characters, evenly spread.
+    The text is read twice (its characters counted, then its pieces cut), a block at a time."""
+    chars = sum(len(piece) for piece, _, _ in text_pieces(parts, replace=replace))
+    stride = 1 if chars <= budget else max(1, round(chars / budget))
+    return [piece for i, (piece, _, _) in enumerate(text_pieces(parts, replace=replace)) if i % stride == 0]
 
 
 def from_file(path: str | os.PathLike, kind: str = "hf") -> HFTokenizer:

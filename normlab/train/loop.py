@@ -78,7 +78,10 @@ def held_out_batches(corpus: Corpus, cfg: RunConfig) -> HeldOut:
         for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
         for xm, ym in zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))
     ]
-    return HeldOut(batches, *target_bytes(batches, corpus.token_bytes))
+    n_tokens, n_bytes = target_bytes(batches, corpus.token_bytes)
+    # the corpus's own bytes where a U+FFFD stands for bytes that are not UTF-8 (data.not_utf8=replace)
+    n_bytes += corpus.held_out_correction(cfg.eval_batches, cfg.batch_size, cfg.seq_len)
+    return HeldOut(batches, n_tokens, n_bytes)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,7 @@ def _train_in(cfg: RunConfig, run_dir: RunDir, sinks: list[Sink] | None, callbac
     exit_code = 1
     try:
         with phases.time("data"):
-            corpus = load_corpus(cfg.data, cfg.tokenizer)
+            corpus = load_corpus(cfg.data, cfg.tokenizer, seq_len=cfg.seq_len, progress=cfg.progress)
         summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256,
                        tokenizer=corpus.tokenizer.identity)
         with phases.time("setup"):

@@ -81,7 +81,8 @@ def _train_pack_in(members: list[Member]) -> list[dict[str, Any]]:
     exit_code = 1
     try:
         with phases.time("data"):
-            corpus = load_corpus(members[0].cfg.data, members[0].cfg.tokenizer)
+            first = members[0].cfg
+            corpus = load_corpus(first.data, first.tokenizer, seq_len=first.seq_len, progress=first.progress)
         for member, summary in zip(members, summaries):
             summary.update(corpus=corpus.source, corpus_bytes=corpus.n_bytes, corpus_sha256=corpus.sha256,
                            tokenizer=corpus.tokenizer.identity)

@@ -1,5 +1,5 @@
 """The `normlab` command: `normlab train ...` (a Hydra app), `normlab resume ...` (the same, continuing a run),
-`normlab compare ...`, `normlab ls ...` and `normlab sample ...`.
+`normlab compare ...`, `normlab ls ...`, `normlab sample ...` and `normlab prepare ...`.
 
 Heavy modules (torch, wandb, datasets) are imported only once a subcommand
 needs them, so `normlab --help` answers at once.
@@ -32,6 +32,8 @@ commands:
             `normlab ls [DIR...] [--json]`; DIR: a run dir, a sweep dir or outputs/ (the default)
   sample    print text from a trained model
             `normlab sample RUN_DIR_OR_CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]`
+  prepare   prepare the tokens a run would train on, resumably, and print where they are
+            `normlab prepare [overrides]`: the data.* and tokenizer.* overrides of `normlab train`
 
 examples:
   normlab train norm=rms placement=pre
@@ -72,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_train(rest)
     if command == "resume":
         return _resume(rest)
+    if command == "prepare":
+        from normlab.launch.prepare import main as run_prepare
+
+        return run_prepare(rest)
     if command in READERS:
         try:
             code = READERS[command]()(rest)
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         except BrokenPipeError:
             return _reader_gone()
-    return fail(f"unknown command {command!r}: choose one of train, resume, compare, ls, sample")
+    return fail(f"unknown command {command!r}: choose one of train, resume, compare, ls, sample, prepare")
 
 
 def _reader_gone() -> int:

@@ -14,7 +14,7 @@ from hydra._internal.utils import get_args_parser
 from normlab.config import KEY_CHOICES, ConfigError, RunConfig, flatten_config
 from normlab.util.errors import fail
 
-COMMANDS = ("train", "resume", "compare", "sample")
+COMMANDS = ("train", "resume", "compare", "sample", "prepare")
 
 
 def experiment_override(arg: str) -> str:
@@ -58,7 +58,7 @@ def check_modes(args: argparse.Namespace) -> None:
 def hydra_completes() -> bool:
     """`normlab train -sc install=bash` (or `normlab -sc ...`): whether Hydra's completion answers, as
     installed for the `normlab` command. The shell then asks `normlab -sc query=bash` with its line,
-    'normlab train norm=r': Hydra completes the line after 'train' (taken out of COMP_LINE here); on the
+    'normlab train norm=r': Hydra completes the line after 'train' or 'prepare' (taken out of COMP_LINE here); on the
     command's own word the commands are printed here, and the other commands' words are left to the shell."""
     line = os.environ.get("COMP_LINE")
     if line is None:
@@ -67,13 +67,13 @@ def hydra_completes() -> bool:
     if len(words) < 2 or (len(words) == 2 and not line.endswith(" ")):
         print(" ".join(COMMANDS))
         return False
-    if words[1] != "train":
+    if words[1] not in ("train", "prepare"):
         return False  # resume, compare and sample take paths: the shell's own file completion applies
     values = value_choices(words[-1]) if not line.endswith(" ") else None
     if values is not None:
         print(" ".join(values))
         return False
-    os.environ["COMP_LINE"] = line.replace(" train", "", 1)
+    os.environ["COMP_LINE"] = line.replace(f" {words[1]}", "", 1)  # prepare takes train's overrides
     return True
 
 

@@ -289,7 +289,7 @@ def test_a_dataset_built_in_memory_streams_into_shards(tmp_path):
     datasets.Dataset.from_dict({"text": rows}).save_to_disk(str(tmp_path / "saved"))
     for streaming in (False, True):
         cfg = DataConfig(source="hf", name=str(tmp_path / "saved"), holdout="first", val_docs=30, streaming=streaming,
-                         max_bytes=10**9 if streaming else None, cache_dir=str(tmp_path / "c"))
+                         cache_dir=str(tmp_path / "c"))  # a stream needs no data.max_bytes when held out as it comes
         corpus = load_corpus(cfg, BPE)
         decode = corpus.tokenizer.decode
         assert decode(corpus.val.numpy().tolist()) == "\n".join(rows[:30])
@@ -362,3 +362,45 @@ def test_progress_shows_bytes_and_speed_only_when_asked(tmp_path, capfd):
     load_corpus(_config(tmp_path, [path], cache="shown"), BPE, progress=True)
     err = capfd.readouterr().err
     assert "tokenizing text:" in err and "B/s" in err and "100%" in err
+
+
+def test_the_train_command_refuses_random_bytes_under_a_bpe_and_writes_nothing(tmp_path):
+    from cli_here import normlab_here
+
+    (tmp_path / "bin.dat").write_bytes(random.Random(1).randbytes(200_000))
+    result = normlab_here("train", "model=tiny", "max_steps=20", "data=text", "data.files=[bin.dat]", "tokenizer=bpe",
+                          "tokenizer.vocab_size=300", "wandb.mode=disabled", cwd=tmp_path,
+                          env={"NORMLAB_CACHE": str(tmp_path / "cache")})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("normlab: error: text:bin.dat is not UTF-8: the byte 0x")
+    assert not list(tmp_path.rglob("summary.json")) and not list(tmp_path.rglob("*.json"))
+    assert {p.suffix for p in (tmp_path / "cache").iterdir()} == {".lock"}
+
+
+TWO_AT_ONCE = """
+import logging, sys, time
+from normlab.config import DataConfig, TokenizerConfig
+from normlab.data import load_corpus
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+while time.time() < float(sys.argv[3]):  # both start encoding at the same moment
+    time.sleep(0.01)
+corpus = load_corpus(DataConfig(source="text", files=[sys.argv[1]], cache_dir=sys.argv[2], workers=1),
+                     TokenizerConfig(kind="bpe", vocab_size=300))
+print(corpus.sha256)
+"""
+
+
+def test_two_jobs_at_once_prepare_a_corpus_once(tmp_path):
+    path = tmp_path / "code.txt"
+    path.write_bytes(_code(20_000).encode())
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(TWO_AT_ONCE))
+    start = str(__import__("time").time() + 8)  # after both have imported torch
+    jobs = [subprocess.Popen([sys.executable, str(script), str(path), str(tmp_path / "c"), start],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [job.communicate(timeout=300) for job in jobs]
+    assert all(job.returncode == 0 for job in jobs), [err[-2000:] for _, err in outs]
+    assert outs[0][0] == outs[1][0]
+    assert sum(err.count("encoding text:") for _, err in outs) == 1, [err for _, err in outs]

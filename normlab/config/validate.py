@@ -283,11 +283,9 @@ def check_data(cfg: Any) -> None:
         raise ConfigError(f"data.max_bytes={cfg.data.max_bytes}: must be an integer >= 1, or null for all the text")
     if cfg.data.streaming and cfg.data.source != "hf":
         raise ConfigError(f"data.streaming=true with data={cfg.data.source}: only data=hf streams")
-    if cfg.data.streaming and cfg.data.max_bytes is None:
-        raise ConfigError(
-            "data.streaming=true needs data.max_bytes=N: a stream has no end to stop at "
-            "(e.g. data.max_bytes=100000000 for 100 MB of text)"
-        )
+    if cfg.data.streaming and cfg.data.max_bytes is None and cfg.data.holdout == "tail":
+        raise ConfigError("data.streaming=true needs data.max_bytes=N under data.holdout=tail, which reads the stream "
+                          "to its end first (e.g. data.max_bytes=100000000 for 100 MB), or data.holdout=hash or first")
     if cfg.data.val_split not in (None, "auto") and cfg.data.source != "hf":
         raise ConfigError(
             f"data.val_split={shown(cfg.data.val_split)} with data={cfg.data.source}: only data=hf has named splits; "

@@ -227,6 +227,9 @@ def cached_encoding(root: Path, tok: Tokenizer, identity: dict, units_from: Call
             log.info("encoding %s with %s (once; cached in %s)", description, tok.identity, root)
             meta = {**identity, "key": key, "dtype": shard_dtype(tok.vocab_size).str, "description": description}
             meta = prepare(root / f"tokens-{key}", units_from, tok, meta, **prep)
+            if meta["replaced"]:
+                log.warning("%s: read %d runs of bytes that are not UTF-8 as U+FFFD (data.not_utf8=replace); bits per "
+                            "byte counts the bytes they stand for", description, meta["replaced"])
             folder = root / f"tokens-{key}"
             train, val = (_shards(folder, meta, split) for split in ("train", "val"))
             return Encoded(train, val, meta["sha256"], meta)

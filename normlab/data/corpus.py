@@ -79,8 +79,9 @@ def load_corpus(cfg: DataConfig, tokenizer: TokenizerConfig | None = None, *, se
     """
     if not 0.0 < cfg.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction}: must be between 0 and 1, exclusive")
-    if cfg.streaming and cfg.max_bytes is None:
-        raise ConfigError("data.streaming=true needs data.max_bytes=N: a stream has no end to stop at")
+    if cfg.streaming and cfg.max_bytes is None and cfg.holdout == "tail":
+        raise ConfigError("data.streaming=true needs data.max_bytes=N under data.holdout=tail, which reads the stream "
+                          "to its end first, or data.holdout=hash or first")
     tokenizer = tokenizer or TokenizerConfig()
     root = cache_root(cfg)
     if cfg.source == "tokens":

@@ -78,7 +78,6 @@ class Progress:
     n_bytes: int = 0
     replaced: int = 0  # U+FFFD read for bytes that are not UTF-8 (replace=True)
     corrections: list = field(default_factory=list)  # [val position, bytes to add] of each val token holding one
-    peak_bytes: int = 0  # the most text held at once (batches out and the one being gathered)
 
 
 def prepare(folder: Path, units_from: Callable[[int], Iterator[Unit]], tok: Tokenizer, meta: dict, *,
@@ -160,7 +159,6 @@ def _encode_all(units_from, tok, writers, state: Progress, partial: Path, meta: 
         text = isinstance(tok, HFTokenizer)
         for batch in _batches(units_from, state.unit, state.offset, batch_bytes, text, replace):
             out.append((batch, submit(batch)))
-            state.peak_bytes = max(state.peak_bytes, sum(b.n_bytes for b, _ in out) + batch_bytes)
             if len(out) > 2 * workers:
                 write_oldest()
         while out:
@@ -315,7 +313,6 @@ def _publish(partial: Path, folder: Path, writers: dict, state: Progress, meta: 
         shutil.rmtree(folder)
     os.replace(partial, folder)
     fsync_dir(folder.parent)
-    meta["peak_bytes"] = state.peak_bytes
     return meta
 
 

@@ -196,6 +196,8 @@ def test_a_run_on_shards_trains_as_the_run_on_their_text(tmp_path, tokenizer_fil
         results.append(train(cfg, tmp_path / f"run-{data.source}"))
     assert results[0]["final_val_loss"] == results[1]["final_val_loss"]
     assert results[0]["final_val_bpb"] == results[1]["final_val_bpb"]
+    saved = tmp_path / "run-tokens" / "tokenizer.json"  # what `normlab sample` decodes with
+    assert saved.read_text() == (folder / "tokenizer.json").read_text()
 
 
 def test_prepare_refuses_options_and_bad_overrides_in_one_line(tmp_path):

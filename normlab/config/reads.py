@@ -26,6 +26,7 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[Any, ...]]] = {
     "data.streaming": ("data.source", ("hf",)),
     "data.val_split": ("data.source", ("hf",)),
     "data.holdout": ("data.source", ("stdlib", "text", "hf")),
+    "data.not_utf8": ("data.source", ("stdlib", "text", "hf")),
     "data.val_docs": ("data.holdout", ("first",)),
     "data.train": ("data.source", ("tokens",)),
     "data.val": ("data.source", ("tokens",)),

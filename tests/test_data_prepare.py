@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import re
 import subprocess
 import sys
 import sysconfig
@@ -404,3 +405,20 @@ def test_two_jobs_at_once_prepare_a_corpus_once(tmp_path):
     assert all(job.returncode == 0 for job in jobs), [err[-2000:] for _, err in outs]
     assert outs[0][0] == outs[1][0]
     assert sum(err.count("encoding text:") for _, err in outs) == 1, [err for _, err in outs]
+
+
+def test_the_benchmark_script_prints_every_figure(tmp_path):
+    """scripts/bench/data_prep.py at a tiny size: each line holds its figures, and every encoding gave the same ids."""
+    result = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "bench" / "data_prep.py"),
+                             "--gb", "0.0005", "--old-max-gb", "0.0005", "--windows-gb", "0.001", "--vocab", "300",
+                             "--batch-size", "4", "--seq-len", "64", "--window-seconds", "0.5", "--work", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    number = r"\d[\d,.]*"
+    assert any(re.match(rf"prepare 0.5 MB, .*: {number} s \({number} CPU-s\), peak tree RSS {number} GB \(PSS {number} GB\)", l)
+               for l in lines), result.stdout
+    encoded = [l for l in lines if l.startswith("encode 0.5 MB") and "(no tokens)" not in l]
+    assert len(encoded) == 3 and all(re.search(rf"{number} MB/s, .* {number} CPU-s/GB", l) for l in encoded)
+    assert len({l.rsplit("sha256 ", 1)[1] for l in encoded}) == 1, "every way gave the same ids"
+    assert re.search(rf"windows from 0.001 GB .*: {number}M tokens/s", result.stdout)

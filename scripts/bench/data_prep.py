@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--windows-gb", type=float, default=10.0, help="GB of token shards to draw windows from")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--window-seconds", type=float, default=10.0, help="how long windows are drawn")
     parser.add_argument("--vocab", type=int, default=4096, help="the BPE's ids (4096: tokenizer=bpe's default; "
                         "50257: GPT-2's size)")
     parser.add_argument("--machinery", action="store_true", help="also encode with tokenizers' own threads and "
@@ -71,7 +72,7 @@ def main() -> None:
         bench_prepare(work, corpus, size_mb, args.vocab)
         bench_encode(work, corpus, size_mb, args.vocab, old=gb <= args.old_max_gb, machinery=args.machinery)
     if args.windows_gb > 0:
-        bench_windows(work, args.windows_gb, args.batch_size, args.seq_len)
+        bench_windows(work, args.windows_gb, args.batch_size, args.seq_len, args.window_seconds)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -146,7 +147,7 @@ def tree_memory(pid: int) -> tuple[int, int]:
 def bench_prepare(work: Path, corpus: Path, size_mb: float, vocab: int) -> None:
     cache = fresh(work / "cache-prepare")
     result = run_child("prepare", str(corpus), str(cache), "0", str(vocab))
-    print(f"prepare {size_mb:,.0f} MB, tokenizer=bpe ({vocab} ids), data.workers={os.cpu_count()} (empty cache): "
+    print(f"prepare {size_mb:,.1f} MB, tokenizer=bpe ({vocab} ids), data.workers={os.cpu_count()} (empty cache): "
           f"{result['seconds']:.1f} s ({result['cpu_seconds']:.0f} CPU-s), peak tree RSS {result['tree_rss_gb']:.2f} GB "
           f"(PSS {result['tree_pss_gb']:.2f} GB), {result['tokens']:,} tokens")
 
@@ -166,16 +167,16 @@ def bench_encode(work: Path, corpus: Path, size_mb: float, vocab: int, old: bool
             if item.name.startswith(("text-", "bpe-")):
                 shutil.copy(item, cache / item.name)
         result = run_child(kind, str(corpus), str(cache), workers, str(vocab))
-        print(f"encode {size_mb:,.0f} MB, {LABELS[kind].format(workers)}: {result['seconds']:.1f} s, "
+        print(f"encode {size_mb:,.1f} MB, {LABELS[kind].format(workers)}: {result['seconds']:.1f} s, "
               f"{size_mb / result['seconds']:.2f} MB/s, {result['tokens'] / result['seconds'] / 1e6:.2f}M tokens/s, "
               f"{result['cpu_seconds'] / size_mb * 1000:.0f} CPU-s/GB, peak tree RSS {result['tree_rss_gb']:.2f} GB "
               f"(PSS {result['tree_pss_gb']:.2f} GB), sha256 {result['sha256'][:12]}")
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def bench_windows(work: Path, gb: float, batch_size: int, seq_len: int) -> None:
+def bench_windows(work: Path, gb: float, batch_size: int, seq_len: int, seconds: float) -> None:
     folder = work / f"shards-{gb:g}GB"
-    result = run_child("windows", str(folder), str(gb), str(batch_size), str(seq_len))
+    result = run_child("windows", str(folder), str(gb), str(batch_size), str(seq_len), str(seconds))
     print(f"windows from {gb:g} GB of uint16 shards ({result['shards']} shards), batch {batch_size} x {seq_len}, "
           f"one core: {result['tokens_per_s'] / 1e6:.1f}M tokens/s ({result['batches']} batches in "
           f"{result['seconds']:.1f} s)")
@@ -312,7 +313,7 @@ def old_encode(tok, data: bytes):
     return np.concatenate([np.asarray(e.ids, dtype=tok.dtype) for e in encodings])
 
 
-def child_windows(folder: str, gb: str, batch_size: str, seq_len: str) -> dict:
+def child_windows(folder: str, gb: str, batch_size: str, seq_len: str, seconds: str) -> dict:
     import numpy as np
     import torch
 
@@ -336,7 +337,7 @@ def child_windows(folder: str, gb: str, batch_size: str, seq_len: str) -> dict:
     tokens = TokenShards(shards)
     generator = torch.Generator().manual_seed(0)
     batches, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 10.0:
+    while time.perf_counter() - start < float(seconds):
         tokens.sample(int(batch_size), int(seq_len), generator)
         batches += 1
     seconds = time.perf_counter() - start

@@ -86,7 +86,7 @@ class DataConfig:
     train: list = field(default_factory=list)  # data=tokens: token shard files or globs to train on
     val: list = field(default_factory=list)  # data=tokens: token shard files or globs to validate on
     dtype: str | None = None  # data=tokens: raw arrays' ids, uint16 | uint32; null: from the llm.c header or a sidecar
-    workers: int | None = bookkeeping(None)  # processes encoding a corpus's tokens; null: one per core
+    workers: int | None = bookkeeping(None)  # processes encoding a corpus's tokens; null: one per core it may use
     batch_bytes: int = bookkeeping(1 << 20)  # text each encoding worker takes at once: memory scales with it
 
 

@@ -86,7 +86,7 @@ def load_corpus(cfg: DataConfig, tokenizer: TokenizerConfig | None = None, *, se
     root = cache_root(cfg)
     if cfg.source == "tokens":
         return _tokens_corpus(cfg, _build_tokenizer(tokenizer, None, None), root, seq_len, progress)
-    prep = {"workers": cfg.workers or os.cpu_count() or 1, "batch_bytes": cfg.batch_bytes, "progress": progress,
+    prep = {"workers": cfg.workers or _usable_cores(), "batch_bytes": cfg.batch_bytes, "progress": progress,
             "replace": replaces(cfg)}
     try:
         if cfg.holdout == "tail":
@@ -94,6 +94,14 @@ def load_corpus(cfg: DataConfig, tokenizer: TokenizerConfig | None = None, *, se
         return _document_corpus(cfg, tokenizer, root, prep)
     except NotUtf8 as err:
         raise not_utf8(_resolve_source(cfg).description, err) from None
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (a SLURM job's or taskset's share), which data.workers=null uses."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on macOS
+        return os.cpu_count() or 1
 
 
 def replaces(cfg: DataConfig) -> bool:

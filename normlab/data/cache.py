@@ -37,7 +37,7 @@ import numpy as np
 
 from normlab.config import DataConfig
 from normlab.data.errors import DataError
-from normlab.data.pieces import NotUtf8, check_utf8
+from normlab.data.pieces import FileText, NotUtf8, blocks, check_utf8
 from normlab.data.prepare import Unit, prepare
 from normlab.data.shards import TokenShards, read_shard, shard_dtype
 from normlab.data.sources import Source
@@ -60,10 +60,12 @@ class Text:
     Built by normlab.data.corpus from cached byte streams; `cached_encoding` keys its entries by it.
     """
 
-    train: np.ndarray  # uint8
+    train: np.ndarray  # uint8, memory-mapped: what the byte tokenizer trains on
     val: np.ndarray  # uint8
     sha256: str
     description: str
+    train_file: FileText  # the same bytes, for reading a block at a time (normlab.data.pieces)
+    val_file: FileText
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -123,6 +125,11 @@ def cached_tokens(root: Path, source: Source, utf8: bool = False) -> tuple[np.nd
         ) from None
 
 
+def cached_file(root: Path, source: Source) -> FileText:
+    """The file of the source's byte cache entry (cached_tokens makes it), to read a block at a time."""
+    return FileText.whole(root / f"{source.kind}-{_cache_key(source)}.bin")
+
+
 def _read_entry(bin_path: Path, meta_path: Path, key: str, warn: bool) -> tuple[np.ndarray, dict] | None:
     """A complete, verified cache entry, or None if it is missing, stale or damaged (said in a warning if `warn`:
     the entry is looked at before the lock is taken and again under it, and rebuilt once)."""
@@ -142,7 +149,7 @@ def _read_entry(bin_path: Path, meta_path: Path, key: str, warn: bool) -> tuple[
         return None
     # Hashing the mapped file costs tens of ms for the stdlib corpus and guarantees that the
     # reported sha256 describes the tokens actually trained on.
-    if n_bytes <= VERIFY_BYTES and hashlib.sha256(tokens).hexdigest() != meta.get("sha256"):
+    if n_bytes <= VERIFY_BYTES and files_digest([FileText.whole(bin_path)]) != meta.get("sha256"):
         if warn:
             log.warning("rebuilding token cache entry %s: content does not match its sha256", bin_path)
         return None
@@ -179,11 +186,10 @@ def _write_tokens(documents: Iterable[bytes], dest: Path, utf8_of: str | None = 
                 except NotUtf8 as err:
                     err.where = f"document {i}"
                     raise not_utf8(utf8_of, err) from None
-            pieces = (doc,) if i == 0 else (SEPARATOR, doc)
-            for piece in pieces:
-                fh.write(piece)
-                digest.update(piece)
-                count += len(piece)
+            for _, block in blocks((doc,) if i == 0 else (SEPARATOR, doc), size=1 << 20):
+                fh.write(block)
+                digest.update(block)
+                count += len(block)
     return count, digest.hexdigest()
 
 
@@ -257,12 +263,15 @@ def _read_encoding(root: Path, key: str, tok: Tokenizer, legacy: Callable[[], bo
             if (len(train), len(val)) != (meta["n_train"], meta["n_val"]):
                 raise ValueError(f"the shards hold {len(train)} and {len(val)} ids, meta.json says "
                                  f"{meta['n_train']} and {meta['n_val']}")
+            spans = [FileText(s.filename, s.offset, s.nbytes) for s in (*train.shards, *val.shards)]
         else:
             meta = json.loads((root / f"tokens-{key}.json").read_bytes())
             if meta["key"] != key or meta["dtype"] != tok.dtype.str or legacy is None or not legacy():
                 return None
-            train, val = (TokenShards([_map(root / f"tokens-{key}.{part}.bin", tok.dtype, int(meta[f"n_{part}"]))])
-                          for part in ("train", "val"))
+            paths = [root / f"tokens-{key}.{part}.bin" for part in ("train", "val")]
+            train, val = (TokenShards([_map(path, tok.dtype, int(meta[f"n_{part}"]))])
+                          for path, part in zip(paths, ("train", "val")))
+            spans = [FileText.whole(path) for path in paths]
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, DataError) as err:
@@ -270,16 +279,17 @@ def _read_encoding(root: Path, key: str, tok: Tokenizer, legacy: Callable[[], bo
             log.warning("re-encoding damaged token cache entry tokens-%s in %s: %s", key, root, err)
         return None
     size = (len(train) + len(val)) * train.dtype.itemsize
-    if size <= VERIFY_BYTES and _digest(train, val) != meta.get("sha256"):
+    if size <= VERIFY_BYTES and files_digest(spans) != meta.get("sha256"):
         if warn:
             log.warning("re-encoding token cache entry tokens-%s in %s: content does not match its sha256", key, root)
         return None
     return Encoded(train, val, meta["sha256"], meta)
 
 
-def _digest(*splits: TokenShards) -> str:
+def files_digest(spans: list[FileText]) -> str:
+    """The sha256 of the spans' bytes one after another, read a block at a time (hashing through a mapping would
+    hold every page of it in the process's memory)."""
     digest = hashlib.sha256()
-    for split in splits:
-        for shard in split.shards:
-            digest.update(memoryview(np.ascontiguousarray(shard)).cast("B"))
+    for _, block in blocks(spans, size=1 << 20):
+        digest.update(block)
     return digest.hexdigest()

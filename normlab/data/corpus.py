@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from normlab.config import TOKENIZERS, ConfigError, DataConfig, TokenizerConfig
-from normlab.data.cache import Text, cache_root, cached_encoding, cached_tokens, not_utf8
+from normlab.data.cache import Text, cache_root, cached_encoding, cached_file, cached_tokens, files_digest, not_utf8
 from normlab.data.errors import DataError
 from normlab.data.hf import MissingSplit, hf_source, tokenizer_offline_reason
 from normlab.data.holdout import document_units, head_sample
@@ -118,10 +118,10 @@ def _tail_corpus(cfg: DataConfig, tokenizer: TokenizerConfig, root: Path, prep: 
     if tok.kind == "byte":
         return Corpus(train=TokenShards.of(text.train), val=TokenShards.of(text.val), vocab_size=tok.vocab_size,
                       source=text.description, n_bytes=n_bytes, sha256=text.sha256, tokenizer=tok)
-    units = [Unit("train", (text.train,), "the training text"), Unit("val", (text.val,), "the validation text")]
+    units = [Unit("train", (text.train_file,), "the training text"), Unit("val", (text.val_file,), "the validation text")]
     identity = {"tokenizer": tok.identity, "text_sha256": text.sha256, "n_train_bytes": len(text.train)}
     encoded = cached_encoding(root, tok, identity, lambda start: iter(units[start:]), text.description,
-                              legacy=lambda: _is_utf8(text.val), total_bytes=n_bytes, **prep)
+                              legacy=lambda: _is_utf8(text.val_file), total_bytes=n_bytes, **prep)
     return Corpus(train=encoded.train, val=encoded.val, vocab_size=tok.vocab_size, source=text.description,
                   n_bytes=n_bytes, sha256=encoded.sha256, tokenizer=tok, val_corrections=_corrections(encoded.meta))
 
@@ -202,11 +202,13 @@ def _split_text(cfg: DataConfig, root: Path, char_aligned: bool, utf8: bool = Fa
     source = _resolve_source(cfg)
     val_source = _val_source(cfg)
     stream, meta = cached_tokens(root, source, utf8=utf8)
+    file = cached_file(root, source)
     if val_source is not None:
         val, _ = cached_tokens(root, val_source, utf8=utf8)
-        digest = hashlib.sha256(stream)
-        digest.update(val)
-        return Text(stream, val, digest.hexdigest(), f"{source.description}+{val_source.spec['split']}")
+        val_file = cached_file(root, val_source)
+        # the sha256 of the two texts one after the other, as the tokens of the byte tokenizer are
+        return Text(stream, val, files_digest([file, val_file]), f"{source.description}+{val_source.spec['split']}",
+                    file, val_file)
     n = len(stream)
     cut = n - int(n * cfg.val_fraction)
     # A tokenizer of text must not see half a UTF-8 character at the cut: move it to the next character.
@@ -216,7 +218,7 @@ def _split_text(cfg: DataConfig, root: Path, char_aligned: bool, utf8: bool = Fa
         raise DataError(
             f"{source.description} has only {n} bytes: too few to split with data.val_fraction={cfg.val_fraction}"
         )
-    return Text(stream[:cut], stream[cut:], meta["sha256"], source.description)
+    return Text(stream[:cut], stream[cut:], meta["sha256"], source.description, file[:cut], file[cut:])
 
 
 def _build_tokenizer(cfg: TokenizerConfig, root: Path | None, text, replace: bool = False) -> Tokenizer:
@@ -230,7 +232,7 @@ def _build_tokenizer(cfg: TokenizerConfig, root: Path | None, text, replace: boo
             if isinstance(text, Text):
                 # The whole text's sha256 and the cut name the training text without hashing it again.
                 name = json.dumps({"text_sha256": text.sha256, "n_train_bytes": len(text.train)}, sort_keys=True)
-                return train_bpe(text.train, cfg.vocab_size, root, hashlib.sha256(name.encode()).hexdigest(), replace)
+                return train_bpe(text.train_file, cfg.vocab_size, root, hashlib.sha256(name.encode()).hexdigest(), replace)
             sample = head_sample(text(0), BPE_TRAIN_BYTES)
             if not sample:
                 raise DataError("the training split holds no text to learn a BPE from (every document was held "

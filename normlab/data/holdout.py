@@ -19,6 +19,7 @@ import hashlib
 from typing import Iterator
 
 from normlab.config import DataConfig
+from normlab.data.pieces import blocks
 from normlab.data.prepare import Unit
 from normlab.data.sources import Source
 
@@ -30,8 +31,10 @@ def held_out(document, index: int, cfg: DataConfig) -> bool:
     """Whether the `index`-th document of the stream (its bytes `document`) is validation under `cfg.holdout`."""
     if cfg.holdout == "first":
         return index < cfg.val_docs
-    digest = hashlib.blake2b(document, digest_size=8).digest()
-    return int.from_bytes(digest, "little") < cfg.val_fraction * _HASH_RANGE
+    digest = hashlib.blake2b(digest_size=8)
+    for _, block in blocks((document,)):
+        digest.update(block)
+    return int.from_bytes(digest.digest(), "little") < cfg.val_fraction * _HASH_RANGE
 
 
 def document_units(source: Source, val_source: Source | None, cfg: DataConfig, start: int = 0) -> Iterator[Unit]:
@@ -58,10 +61,12 @@ def head_sample(units: Iterator[Unit], budget: int) -> bytes:
     for unit in units:
         if unit.split != "train":
             continue
-        for part in unit.parts:
-            piece = bytes(memoryview(part).cast("B")[:left])
+        for _, block in blocks(unit.parts):
+            piece = bytes(block[:left])
             taken.append(piece)
             left -= len(piece)
+            if left <= 0:
+                break
         if left <= 0:
             break
     sample = b"".join(taken)

@@ -1,7 +1,8 @@
 """Pieces: a split's text cut into the pieces its tokenizer encodes one by one, read a block at a time.
 
-A text is one or more byte buffers read as one (a document and the separator before it, or a split of the
-byte cache, memory-mapped). A text tokenizer reads it as UTF-8 and encodes it in the pieces of
+A text is one or more parts read as one (a document and the separator before it, or a split of the byte
+cache): byte buffers, or ranges of files (FileText), read a block at a time so that their pages never count
+in the process's memory. A text tokenizer reads it as UTF-8 and encodes it in the pieces of
 `newline_chunks`: each at least CHUNK_CHARS characters and ending just after a newline (the last may be
 shorter). Cut here while the bytes are decoded a block at a time, they are the pieces the whole text would
 give, so the ids are too; memory holds a block and a piece, never the text. A line longer than
@@ -19,6 +20,8 @@ at the piece after the last one it wrote.
 from __future__ import annotations
 
 import codecs
+import os
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 CHUNK_CHARS = 1 << 16  # texts are encoded in newline-aligned pieces of about this size
@@ -50,20 +53,58 @@ def newline_chunks(text: str, size: int = CHUNK_CHARS) -> Iterator[str]:
         start = end
 
 
+@dataclass(frozen=True)
+class FileText:
+    """Bytes [start, start + length) of a file, read when used a block at a time, never mapped: a large text then
+    passes through the page cache without counting in the process's memory, as a mapped file's pages would."""
+
+    path: str
+    start: int
+    length: int
+
+    @classmethod
+    def whole(cls, path: str | os.PathLike) -> "FileText":
+        return cls(str(path), 0, os.path.getsize(path))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, cut: slice) -> "FileText":
+        begin, end, _ = cut.indices(self.length)
+        return FileText(self.path, self.start + begin, max(end - begin, 0))
+
+    def read(self, at: int = 0, size: int | None = None) -> bytes:
+        """`size` bytes (all to the end if None) from offset `at`."""
+        size = self.length - at if size is None else min(size, self.length - at)
+        with open(self.path, "rb") as fh:
+            return os.pread(fh.fileno(), size, self.start + at)
+
+
 def text_bytes(parts: Sequence) -> int:
     """The length in bytes of the text made of `parts`."""
-    return sum(memoryview(part).nbytes for part in parts)
+    return sum(_length(part) for part in parts)
 
 
-def blocks(parts: Sequence, start: int = 0, size: int = BLOCK_BYTES) -> Iterator[tuple[int, memoryview]]:
-    """(offset, bytes) of the text made of `parts`, from byte `start` on, in blocks of at most `size` bytes."""
+def _length(part) -> int:
+    return len(part) if isinstance(part, FileText) else memoryview(part).nbytes
+
+
+def blocks(parts: Sequence, start: int = 0, size: int = BLOCK_BYTES) -> Iterator[tuple[int, memoryview | bytes]]:
+    """(offset, bytes) of the text made of `parts` (buffers, FileTexts), from byte `start` on, in blocks of at
+    most `size` bytes."""
     base = 0
     for part in parts:
-        view = memoryview(part).cast("B")
-        if start < base + len(view):
-            for at in range(max(start - base, 0), len(view), size):
-                yield base + at, view[at : at + size]
-        base += len(view)
+        length = _length(part)
+        if start < base + length:
+            if isinstance(part, FileText):
+                with open(part.path, "rb") as fh:
+                    for at in range(max(start - base, 0), length, size):
+                        yield base + at, os.pread(fh.fileno(), min(size, length - at), part.start + at)
+            else:
+                view = memoryview(part).cast("B")
+                for at in range(max(start - base, 0), length, size):
+                    yield base + at, view[at : at + size]
+        base += length
 
 
 def byte_pieces(parts: Sequence, start: int = 0, size: int = CHUNK_CHARS) -> Iterator[tuple[bytes, int, tuple]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -25,10 +24,11 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from normlab.data.errors import DataError
+from normlab.data.pieces import FileText
 
 
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
-MAP_BYTES = 1 << 20  # a file this large or larger is memory-mapped, not read
+LARGE_BYTES = 1 << 20  # a file this large or larger is read a block at a time as it is used
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Source:
     kind: str
     description: str
     spec: dict  # JSON-able identity of the content; hashed into the cache key
-    documents: Callable[[], Iterable[bytes]]  # reads the content, only on a cache miss
+    documents: Callable[[], Iterable[bytes | FileText]]  # reads the content, only on a cache miss
 
 
 def stdlib_files(root: str | os.PathLike | None = None) -> list[str]:
@@ -114,7 +114,7 @@ def _is_jsonl(path: Path) -> bool:
     return path.suffix.lower() == ".jsonl"
 
 
-def _read_files(paths: list[Path], text_field: str = "text") -> Iterator[bytes | memoryview]:
+def _read_files(paths: list[Path], text_field: str = "text") -> Iterator[bytes | FileText]:
     """Each file's bytes as one document; a .jsonl file gives one document per row (its `text_field`)."""
     for path in paths:
         try:
@@ -126,13 +126,12 @@ def _read_files(paths: list[Path], text_field: str = "text") -> Iterator[bytes |
             raise DataError(f"cannot read {path}: {err.strerror or err}") from None
 
 
-def _file_bytes(path: Path) -> bytes | memoryview:
-    """A file's bytes: read whole below MAP_BYTES, memory-mapped above, so that a large file is read from the page
-    cache as it is used, never held in the process's own memory."""
-    with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size < MAP_BYTES:
-            return fh.read()
-        return memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
+def _file_bytes(path: Path) -> bytes | FileText:
+    """A file's bytes: read whole below LARGE_BYTES, else a FileText, read a block at a time as it is used, so that
+    a large file is never held in the process's own memory."""
+    if path.stat().st_size < LARGE_BYTES:
+        return path.read_bytes()
+    return FileText.whole(path)
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[bytes]:

@@ -24,7 +24,7 @@ import numpy as np
 from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
 from normlab.config import BPE_VOCAB_RANGE
-from normlab.data.pieces import newline_chunks, text_pieces
+from normlab.data.pieces import blocks, newline_chunks, text_pieces
 from normlab.util.errors import one_line
 from normlab.util.files import atomic_path
 
@@ -145,8 +145,8 @@ def check_bpe_vocab(vocab_size: int) -> None:
 
 def train_bpe(train_text, vocab_size: int, cache_dir: str | os.PathLike, text_id: str | None = None,
               replace: bool = False) -> HFTokenizer:
-    """A byte-level BPE of `vocab_size` tokens learned from `train_text` (bytes, or a uint8 array such as a
-    memory-mapped file), read from the cache when built before.
+    """A byte-level BPE of `vocab_size` tokens learned from `train_text` (bytes, a uint8 array, or a FileText read a
+    block at a time), read from the cache when built before.
 
     The cache file is `bpe-<text_id[:24]>-v<vocab_size>.json` in `cache_dir`, `text_id` a hex digest naming the
     text (default: its sha256); the same text and size always give the same tokenizer. Memory holds the sample
@@ -154,7 +154,11 @@ def train_bpe(train_text, vocab_size: int, cache_dir: str | os.PathLike, text_id
     normlab.data.pieces.NotUtf8 for a text that is not UTF-8, unless `replace` (such bytes are read as U+FFFD).
     """
     check_bpe_vocab(vocab_size)
-    text_id = text_id or hashlib.sha256(memoryview(train_text).cast("B")).hexdigest()
+    if text_id is None:
+        digest = hashlib.sha256()
+        for _, block in blocks((train_text,), size=1 << 20):
+            digest.update(block)
+        text_id = digest.hexdigest()
     path = bpe_cache_path(cache_dir, text_id, vocab_size)
     if path.is_file():
         try:

@@ -73,12 +73,6 @@ class FileText:
         begin, end, _ = cut.indices(self.length)
         return FileText(self.path, self.start + begin, max(end - begin, 0))
 
-    def read(self, at: int = 0, size: int | None = None) -> bytes:
-        """`size` bytes (all to the end if None) from offset `at`."""
-        size = self.length - at if size is None else min(size, self.length - at)
-        with open(self.path, "rb") as fh:
-            return os.pread(fh.fileno(), size, self.start + at)
-
 
 def text_bytes(parts: Sequence) -> int:
     """The length in bytes of the text made of `parts`."""

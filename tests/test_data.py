@@ -63,6 +63,36 @@ def test_stdlib_val_is_the_tail_of_the_right_size(stdlib_corpus):
     assert len(corpus.train) == corpus.n_bytes - len(corpus.val)
 
 
+def _one_tensor_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
+    """A batch as drawn from one tensor by indexing, written out here so that it does not go through TokenShards."""
+    starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator)
+    index = starts[:, None] + torch.arange(seq_len)
+    return tokens[index].long(), tokens[index + 1].long()
+
+
+def test_the_main_jobs_corpus_gives_the_batches_of_its_bytes_in_one_tensor(stdlib_corpus):
+    """The main job (stdlib, byte tokenizer): its tokens are the stdlib files' bytes joined by newlines, cut 10%
+    before the end, and the training and held-out batches drawn from the cached splits are those drawn from the
+    same bytes held in one tensor each, at the same generator state."""
+    corpus, _ = stdlib_corpus
+    root = Path(sysconfig.get_paths()["stdlib"])
+    joined = b"\n".join((root / name).read_bytes() for name in stdlib_files())
+    cut = len(joined) - int(len(joined) * 0.1)
+    train = torch.frombuffer(bytearray(joined[:cut]), dtype=torch.uint8)
+    val = torch.frombuffer(bytearray(joined[cut:]), dtype=torch.uint8)
+    assert np.array_equal(corpus.train.numpy(), train.numpy()) and np.array_equal(corpus.val.numpy(), val.numpy())
+    for seed in (0, 1):
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        for _ in range(3):
+            x, y = sample_batch(corpus.train, 16, 256, ours)
+            tx, ty = _one_tensor_batch(train, 16, 256, theirs)
+            assert torch.equal(x, tx) and torch.equal(y, ty)
+    fixed = torch.Generator().manual_seed(1234)  # eval_batches' default seed
+    for x, y in eval_batches(corpus.val, 4, 16, 256):
+        tx, ty = _one_tensor_batch(val, 16, 256, fixed)
+        assert torch.equal(x, tx) and torch.equal(y, ty)
+
+
 def test_stdlib_files_are_sorted_and_skip_installed_packages():
     names = stdlib_files()
     assert names == sorted(names)

@@ -151,8 +151,8 @@ def test_the_tokens_do_not_depend_on_workers_or_batch_size(tmp_path, holdout):
 def test_memory_holds_batches_not_the_corpus(tmp_path, monkeypatch):
     """A 4 MB corpus (16 MB as one str: it holds characters beyond U+FFFF) prepared in batches of one piece (64k
     characters; a data.batch_bytes below a piece is a piece): the preparing process's Python allocations peak
-    below a few MB, the BPE's learning included (its sample cut to 100 kB here). The text is memory-mapped and
-    decoded 64 kB at a time; the workers hold a batch each. The path that held the text whole peaked at some
+    below a few MB, the BPE's learning included (its sample cut to 100 kB here). The text is read from its
+    file and decoded 64 kB at a time; the workers hold a batch each. The path that held the text whole peaked at some
     40 times the corpus."""
     monkeypatch.setattr(tokenizer_module, "BPE_TRAIN_BYTES", 100_000)
     path = tmp_path / "big.txt"

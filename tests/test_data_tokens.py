@@ -206,3 +206,43 @@ def test_prepare_refuses_options_and_bad_overrides_in_one_line(tmp_path):
         result = normlab_here("prepare", *args, cwd=tmp_path)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and fragment in result.stderr
     assert HEADER_BYTES == 1024
+
+
+def test_a_run_on_shards_resumes_exactly(tmp_path, tokenizer_file, one_thread):
+    """Stopped by a signal and resumed, a run on several shards logs the rows of the run that went through: the
+    generator that draws its windows across shards is restored from the checkpoint."""
+    import os
+    import signal
+
+    from normlab.train import preempt
+    from normlab.train.sinks import MetricsFile, RunDir, Sink
+
+    ids = np.random.default_rng(1).integers(0, 300, 3000)
+    train_shards = [llmc(tmp_path / f"train_{i}.bin", part) for i, part in enumerate(np.array_split(ids[:2400], 3))]
+    llmc(tmp_path / "val.bin", ids[2400:])
+
+    class StopAt(Sink):
+        def log(self, record):
+            if record["step"] == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def config():
+        data, tok = tokens_config(tmp_path, train_shards, [tmp_path / "val.bin"], tokenizer_file)
+        cfg = tiny_config(data=data, tokenizer=tok, max_steps=8, eval_every=3, log_every=1, sinks=["jsonl"])
+        cfg.wandb.mode, cfg.ckpt.every = "disabled", 3
+        return cfg
+
+    def rows(path):
+        drop = {"tokens_per_s", "train_time_s", "wall_time_s", "eval_time_s"}
+        return [{k: v for k, v in json.loads(line).items() if k not in drop} for line in (path / "metrics.jsonl").open()]
+
+    train(config(), tmp_path / "whole")
+    cut = RunDir(tmp_path / "cut")
+    with preempt.watch():
+        with pytest.raises(preempt.Preempted):
+            train(config(), cut, sinks=[MetricsFile(cut), StopAt()])
+    resumed = config()
+    resumed.resume = "auto"
+    assert train(resumed, cut)["resumed_from_step"] == 4
+    whole = rows(tmp_path / "whole")
+    assert [r["step"] for r in whole] == list(range(9)) and rows(cut.path) == whole

@@ -246,3 +246,14 @@ def test_a_run_on_shards_resumes_exactly(tmp_path, tokenizer_file, one_thread):
     assert train(resumed, cut)["resumed_from_step"] == 4
     whole = rows(tmp_path / "whole")
     assert [r["step"] for r in whole] == list(range(9)) and rows(cut.path) == whole
+
+
+def test_shards_hold_uint16_ids_while_the_vocabulary_fits_and_uint32_past_it(tmp_path):
+    from normlab.data.shards import read_shard, shard_dtype
+
+    assert shard_dtype(65_536) == np.dtype("<u2") and shard_dtype(65_537) == np.dtype("<u4")
+    ids = np.array([0, 65_535, 65_536, 128_255], dtype="<u4")
+    path = tmp_path / "llama3.bin"
+    path.write_bytes(header(shard_dtype(128_256), len(ids)) + ids.tobytes())
+    assert np.frombuffer(path.read_bytes()[:12], "<i4").tolist() == [20240801, 7, 4]  # llm.c's uint32 header
+    assert read_shard(path).tolist() == ids.tolist()

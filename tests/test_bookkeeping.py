@@ -14,10 +14,12 @@ from normlab.train.checkpoint import Checkpoint, CheckpointError, checkpoint_pat
 from normlab.config import RunConfig, bookkeeping_keys
 from normlab.train.run import train
 
-# What neither changes the data nor the arithmetic of training.
+# What neither changes the data nor the arithmetic of training (data.workers and data.batch_bytes: the same token
+# ids whatever they are, tests/test_data_prepare.py).
 BOOKKEEPING = {
     "name", "progress", "fail_fast", "device", "compile", "compile_mode", "deterministic", "tf32", "log_every",
-    "resume", "overwrite", "ckpt", "wandb", "telemetry", "data.cache_dir", "sinks", "pack",
+    "resume", "overwrite", "ckpt", "wandb", "telemetry", "data.cache_dir", "data.workers", "data.batch_bytes", "sinks",
+    "pack",
 }  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 and batch assembly from memory-mapped token shards.
 
     python scripts/bench/data_prep.py                                  # 0.25 and 2 GB of text, 10 GB of shards
+    python scripts/bench/data_prep.py --encode-max-gb 0.25             # the same, 2 GB prepared only (its memory)
     python scripts/bench/data_prep.py --gb 0.02 --windows-gb 0.1 --old-max-gb 0.02    # a quick check
     python scripts/bench/data_prep.py --gb 0.05 --windows-gb 0 --machinery --vocab 50257   # the machinery compared
 
@@ -49,6 +50,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, nargs="+", default=[0.25, 2.0], help="GB of text to prepare")
     parser.add_argument("--old-max-gb", type=float, default=0.25, help="run the old path up to this size")
+    parser.add_argument("--encode-max-gb", type=float, default=float("inf"),
+                        help="run the encode comparison (1 and 2 workers, the old path) up to this size; larger "
+                        "sizes are prepared only (their peak memory)")
     parser.add_argument("--windows-gb", type=float, default=10.0, help="GB of token shards to draw windows from")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -70,7 +74,8 @@ def main() -> None:
         corpus = make_corpus(work / f"text-{gb:g}GB.txt", gb)
         size_mb = corpus.stat().st_size / 1e6
         bench_prepare(work, corpus, size_mb, args.vocab)
-        bench_encode(work, corpus, size_mb, args.vocab, old=gb <= args.old_max_gb, machinery=args.machinery)
+        if gb <= args.encode_max_gb:
+            bench_encode(work, corpus, size_mb, args.vocab, old=gb <= args.old_max_gb, machinery=args.machinery)
     if args.windows_gb > 0:
         bench_windows(work, args.windows_gb, args.batch_size, args.seq_len, args.window_seconds)
     if not args.work:

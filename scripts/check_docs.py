@@ -82,7 +82,6 @@ PENDING = {
     "import_costs": "python -c timing import torch, torch._dynamo, wandb, wandb.sdk.launch.inputs.internal, "
                     "matplotlib.figure, pandas one after another with time.perf_counter (three runs)",
     "forkserver_preload": "python -c timing import normlab.launch.preload (three runs)",
-    "data_prep_targets": "python scripts/bench/data_prep.py (0.25 and 2 GB of text, 10 GB of shards)",
 }
 
 

@@ -74,14 +74,6 @@ FIGURES = {
 # The figures still to be measured, each where a guide marks it, with the command that measures it (on a quiet
 # machine: the 2-core CPU's figures in docs/benchmarks/ were taken with one torch thread, interleaved against a base).
 PENDING = {
-    "one_step_run": "python scripts/bench/overhead.py --single --repeats 8 --threads 1",
-    "one_step_phases": "normlab train model=tiny max_steps=1 eval_every=1, then summary.json's phases",
-    "sweep8_overhead": "python scripts/bench/overhead.py --repeats 3 --threads 1",
-    "sweep_head": "python scripts/bench/overhead.py --repeats 3 --threads 1 (its first step, from the command's start)",
-    "packed_grid": "python scripts/bench/overhead.py --ablation --repeats 2 --cpu-jobs 2 --threads 1",
-    "import_costs": "python -c timing import torch, torch._dynamo, wandb, wandb.sdk.launch.inputs.internal, "
-                    "matplotlib.figure, pandas one after another with time.perf_counter (three runs)",
-    "forkserver_preload": "python -c timing import normlab.launch.preload (three runs)",
 }
 
 

@@ -41,6 +41,17 @@ def tiny_config(norm: str = "layer", placement: str = "pre", **overrides) -> Run
     return cfg
 
 
+def one_error_line(stderr: str, *words: str) -> str:
+    """The one line a refused command printed (normlab's `normlab: error: ...`, no traceback), holding each of
+    `words`."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("normlab: error: "), stderr[-3000:]
+    assert "Traceback" not in stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
 def _valid(norm: str, placement: str) -> bool:
     try:
         tiny_config(norm, placement)

@@ -23,7 +23,7 @@ import torch
 import wandb
 
 from cli_here import normlab_here
-from conftest import tiny_config
+from conftest import one_error_line, tiny_config
 from normlab.cli import main
 from normlab.config import RunConfig
 from normlab.train import preempt
@@ -50,15 +50,6 @@ def snapshot(run_dir):
     """{relative path: sha256} of every file under `run_dir`, hidden ones and .hydra/ included."""
     return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(Path(run_dir).rglob("*")) if p.is_file()}
-
-
-def one_error_line(stderr, *words):
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("normlab: error: "), stderr[-3000:]
-    assert "Traceback" not in stderr
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
 
 
 def rows(run_dir):

@@ -65,17 +65,15 @@ def test_an_unknown_compile_mode_is_refused():
         tiny_config("layer", compile_mode="fast")
 
 
-def test_the_clock_leaves_the_first_step_and_compilation_out_of_the_steady_rate(monkeypatch):
+def clocked_steps(clock, durations, watched, monkeypatch) -> dict:
+    """The summary `clock` (a ThroughputClock) writes after steps of `durations` seconds (time.perf_counter faked),
+    each watched (a telemetry step) or not, of 100 tokens each."""
     from types import SimpleNamespace
 
     import normlab.train.callbacks.throughput as throughput
 
-    # Step 0 is watched (telemetry: its graph compiles, first in the process), step 1 the first compiled plain
-    # one, then steady steps (step 4 a telemetry step again, its graph compiled).
-    durations, watched = [3.0, 10.0, 0.5, 0.5, 0.5], [True, False, False, False, True]
     now = [0.0]
     monkeypatch.setattr(throughput.time, "perf_counter", lambda: now[0])
-    clock = throughput.ThroughputClock(100, compile_steps=1, flops_per_token=1e6, peak_flops=1e9)
     state = SimpleNamespace(tokens=0, watched=False)
     for seconds, state.watched in zip(durations, watched):
         clock.on_step_start(state)
@@ -84,6 +82,17 @@ def test_the_clock_leaves_the_first_step_and_compilation_out_of_the_steady_rate(
         state.tokens += 100
     summary = {}
     clock.on_train_end(state, summary)
+    return summary
+
+
+def test_the_clock_leaves_the_first_step_and_compilation_out_of_the_steady_rate(monkeypatch):
+    import normlab.train.callbacks.throughput as throughput
+
+    # Step 0 is watched (telemetry: its graph compiles, first in the process), step 1 the first compiled plain
+    # one, then steady steps (step 4 a telemetry step again, its graph compiled).
+    durations, watched = [3.0, 10.0, 0.5, 0.5, 0.5], [True, False, False, False, True]
+    clock = throughput.ThroughputClock(100, compile_steps=1, flops_per_token=1e6, peak_flops=1e9)
+    summary = clocked_steps(clock, durations, watched, monkeypatch)
     assert summary["tokens_per_s"] == pytest.approx(300 / 1.5)
     assert summary["compile_time_s"] == 13.0 and summary["train_time_s"] == 14.5
     assert summary["mfu"] == pytest.approx(200 * 1e6 / 1e9)
@@ -92,21 +101,10 @@ def test_the_clock_leaves_the_first_step_and_compilation_out_of_the_steady_rate(
 def test_under_cuda_graphs_the_first_two_telemetry_steps_are_compilation_too(monkeypatch):
     """compile_steps=2 (compile_mode=reduce-overhead on CUDA): the telemetry steps' graph is compiled and warmed up at
     the first of them and captured at the second, as the plain steps' at theirs; both are left out of the steady rate."""
-    from types import SimpleNamespace
-
     import normlab.train.callbacks.throughput as throughput
 
     durations = [3.0, 10.0, 5.0, 2.0, 0.5, 0.5, 0.7]
     watched = [True, False, False, True, False, False, True]
-    now = [0.0]
-    monkeypatch.setattr(throughput.time, "perf_counter", lambda: now[0])
     clock = throughput.ThroughputClock(100, compile_steps=2)
-    state = SimpleNamespace(tokens=0, watched=False)
-    for seconds, state.watched in zip(durations, watched):
-        clock.on_step_start(state)
-        now[0] += seconds
-        clock.after_optimizer_step(state, None)
-        state.tokens += 100
-    summary = {}
-    clock.on_train_end(state, summary)
+    summary = clocked_steps(clock, durations, watched, monkeypatch)
     assert summary["compile_time_s"] == 20.0 and summary["tokens_per_s"] == pytest.approx(300 / 1.7)

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from cli_here import normlab_here
+from conftest import one_error_line
 
 COMMON = ["model=tiny", "batch_size=4", "seq_len=16", "max_steps=4", "eval_every=2", "eval_batches=2", "log_every=1",
           "progress=false", "wandb.mode=disabled"]
@@ -35,15 +36,6 @@ def snapshot(path):
 
 def job_dirs(sweep_dir):
     return sorted(p.name for p in Path(sweep_dir).iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def one_error_line(stderr, *words):
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("normlab: error: "), stderr[-3000:]
-    assert "Traceback" not in stderr
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
 
 
 def trained(result):
